@@ -1,0 +1,22 @@
+"""Test options shared by the whole suite.
+
+The default run stays quick: tests marked ``slow`` (long multi-process trajectories at full size)
+run only with ``--runslow`` or ``CIERA_RUN_SLOW=1``; each has a small-size twin that always runs.
+"""
+
+import os
+
+import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--runslow") or os.environ.get("CIERA_RUN_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: run with --runslow or CIERA_RUN_SLOW=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
