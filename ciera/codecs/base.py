@@ -1,0 +1,178 @@
+"""The codec interface: fixed-capacity payloads, in-place decoding.
+
+A codec turns one rank's shard into a payload of a capacity the caller chooses, so that every rank
+can send an equal-sized payload in one all-gather. Layout of every payload::
+
+    header   32 bytes: int64 words [magic|codec id, flags, needed bytes, capacity]
+    sections codec specific, each 16-byte aligned; a fixed part, then a variable part
+
+Invariants every codec keeps:
+
+* ``encode`` writes only inside ``out`` (``capacity`` bytes). When the shard needs more than that it
+  sets ``FLAG_OVERFLOW`` and the true size in the header; such a payload must never be decoded.
+* ``decode`` is in place: ``target`` holds the previous values of the same shard (what every
+  receiver already has after the last gather) and receives the new values. No other receiver state.
+* ``state`` is the sender's own memory of its previous shard, updated by every ``encode`` and by
+  :meth:`Codec.reset_state` after a gather that did not go through the codec. Receivers and sender
+  agree as long as every gather ends with every rank holding the new shard (the gather's contract).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import ClassVar
+
+import torch
+
+from .formats import FloatFormat, float_format
+
+HEADER_BYTES = 32
+ALIGN = 16
+MAGIC = 0xC1E7A
+FLAG_OVERFLOW = 1
+
+_H_MAGIC, _H_FLAGS, _H_NEEDED, _H_CAPACITY = range(4)
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def write_header(out: torch.Tensor, *, codec_id: int, needed: torch.Tensor | int, capacity: int) -> None:
+    """Fill the 32-byte header of ``out``. ``needed`` may be a device tensor (no host sync)."""
+    header = out[:HEADER_BYTES].view(torch.int64)
+    needed = torch.as_tensor(needed, dtype=torch.int64, device=out.device)
+    header[_H_MAGIC] = (MAGIC << 8) | codec_id
+    header[_H_FLAGS] = (needed > capacity).to(torch.int64) * FLAG_OVERFLOW
+    header[_H_NEEDED] = needed
+    header[_H_CAPACITY] = capacity
+
+
+def read_headers(payloads: torch.Tensor) -> torch.Tensor:
+    """Headers of ``[world, capacity]`` uint8 payloads as a ``[world, 4]`` int64 CPU tensor."""
+    return payloads[:, :HEADER_BYTES].contiguous().view(torch.int64).reshape(-1, 4).cpu()
+
+
+class PayloadHeader:
+    """Decoded view of one payload header (host side)."""
+
+    def __init__(self, words: torch.Tensor):
+        w = [int(x) for x in words.tolist()]
+        self.magic, self.codec_id = w[_H_MAGIC] >> 8, w[_H_MAGIC] & 0xFF
+        self.flags, self.needed, self.capacity = w[_H_FLAGS], w[_H_NEEDED], w[_H_CAPACITY]
+
+    @property
+    def overflow(self) -> bool:
+        return bool(self.flags & FLAG_OVERFLOW)
+
+
+class Codec(abc.ABC):
+    """One codec bound to one shard shape: ``numel`` values of ``dtype``.
+
+    Subclasses define the section layout and a pure-torch reference; a Triton twin with the same
+    signature is used automatically for CUDA tensors when ``backend='auto'`` and Triton imports.
+    """
+
+    name: ClassVar[str]
+    codec_id: ClassVar[int]
+
+    def __init__(self, *, dtype: torch.dtype, numel: int, backend: str = "auto"):
+        if numel < 0:
+            raise ValueError(f"numel={numel} must be >= 0")
+        if backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"backend={backend!r}; expected 'auto', 'torch' or 'triton'")
+        self.fmt: FloatFormat = float_format(dtype)
+        self.dtype = dtype
+        self.numel = numel
+        self.backend = backend
+
+    # -- sizes ---------------------------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def fixed_bytes(self) -> int:
+        """Smallest valid capacity: header plus every fixed section."""
+
+    @property
+    @abc.abstractmethod
+    def max_bytes(self) -> int:
+        """Capacity that can never overflow (every value changed in the worst way)."""
+
+    @property
+    def raw_bytes(self) -> int:
+        """Bytes of the shard itself."""
+        return self.numel * self.fmt.itemsize
+
+    def clamp_capacity(self, capacity: int) -> int:
+        """``capacity`` rounded up to the alignment and clamped to [fixed_bytes, max_bytes]."""
+        return min(max(align_up(int(capacity)), self.fixed_bytes), align_up(self.max_bytes))
+
+    # -- state ---------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def new_state(self, *, shard: torch.Tensor) -> torch.Tensor | None:
+        """Sender state describing ``shard`` as the previous values receivers hold."""
+
+    @abc.abstractmethod
+    def reset_state(self, *, state: torch.Tensor | None, shard: torch.Tensor) -> None:
+        """Make ``state`` describe ``shard`` (after a gather that bypassed the codec)."""
+
+    # -- coding --------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def encode(self, *, shard: torch.Tensor, state: torch.Tensor | None, out: torch.Tensor) -> None:
+        """Encode ``shard`` against ``state`` into ``out`` (uint8, its whole length is the
+        capacity) and update ``state`` to ``shard``. Never writes past ``out``; reports overflow
+        in the header."""
+
+    @abc.abstractmethod
+    def decode(self, *, payload: torch.Tensor, target: torch.Tensor, header: PayloadHeader | None = None) -> None:
+        """Rebuild the new shard in place: ``target`` holds the previous values on entry.
+
+        ``header``: the payload's header already read on the host (saves a device sync);
+        read from ``payload`` when omitted."""
+
+    # -- helpers for subclasses ----------------------------------------------------------------
+    def _check_shard(self, shard: torch.Tensor, what: str = "shard") -> None:
+        if shard.dtype != self.dtype or shard.numel() != self.numel or not shard.is_contiguous():
+            raise ValueError(
+                f"{self.name}: {what} must be a contiguous {self.dtype} tensor of {self.numel} values; "
+                f"got {shard.dtype} with {shard.numel()} values (contiguous={shard.is_contiguous()})"
+            )
+
+    def _check_out(self, out: torch.Tensor) -> int:
+        cap = out.numel()
+        if out.dtype != torch.uint8 or not out.is_contiguous():
+            raise ValueError(f"{self.name}: payload must be a contiguous uint8 tensor")
+        if cap < self.fixed_bytes or cap % ALIGN:
+            raise ValueError(
+                f"{self.name}: capacity {cap} B must be a multiple of {ALIGN} and >= the fixed part "
+                f"{self.fixed_bytes} B (use clamp_capacity)"
+            )
+        return cap
+
+    def _check_payload(self, payload: torch.Tensor, header: PayloadHeader | None = None) -> PayloadHeader:
+        if payload.dtype != torch.uint8 or payload.numel() < HEADER_BYTES:
+            raise ValueError(f"{self.name}: payload must be uint8 with at least a header")
+        h = header or PayloadHeader(payload[:HEADER_BYTES].contiguous().view(torch.int64).cpu())
+        if h.magic != MAGIC or h.codec_id != self.codec_id:
+            raise ValueError(
+                f"{self.name}: payload header is not a {self.name} payload "
+                f"(magic {h.magic:#x}, codec id {h.codec_id}, expected {MAGIC:#x}/{self.codec_id})"
+            )
+        if h.overflow:
+            raise ValueError(
+                f"{self.name}: refusing to decode an overflowed payload (needs {h.needed} B, "
+                f"capacity {h.capacity} B); the sender must resend"
+            )
+        if h.capacity != payload.numel():
+            raise ValueError(f"{self.name}: header capacity {h.capacity} != payload length {payload.numel()}")
+        return h
+
+    def _use_triton(self, t: torch.Tensor) -> bool:
+        if self.backend == "torch" or (self.backend == "auto" and not t.is_cuda):
+            return False
+        from ciera.kernels import triton_available
+
+        if not triton_available():
+            if self.backend == "triton":
+                raise RuntimeError(f"{self.name}: backend='triton' but Triton is not importable")
+            return False
+        return True

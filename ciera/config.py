@@ -1,0 +1,96 @@
+"""CieraConfig: the one configuration object of the compressed all-gather.
+
+Frozen: derive variants with :func:`dataclasses.replace`, never by mutation. Every rank of a group
+must hold an equal config; :class:`ciera.CieraAllGather` checks this at construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+
+CODECS = ("raw", "exponent_reuse", "delta", "auto")
+SELECTIONS = ("auto", "always", "never")
+
+
+@dataclass(frozen=True)
+class CieraConfig:
+    """How one bucket's parameter all-gather is compressed. Defaults suit bf16 MoE training."""
+
+    codec: str = "exponent_reuse"
+    """Codec for compressed gathers: ``raw``, ``exponent_reuse``, ``delta``, or ``auto`` (the cost
+    model picks per bucket among the concrete codecs). ``raw`` never compresses: every gather is a
+    plain ``all_gather_into_tensor``."""
+
+    block_size: int = 8
+    """Values per block for ``exponent_reuse``: a block whose exponents changed resends all its
+    exponents. Small blocks isolate the (independent, mostly small-magnitude) exponent changes at a
+    bitmap cost of 1/B bit per value; 8 measured best on bf16 trajectories (see
+    ``ciera/codecs/exponent_reuse.py``). Must be a power of two in [1, 4096]."""
+
+    delta_block_size: int = 64
+    """Values per bit-width group for the ``delta`` codec. Power of two in [8, 4096]."""
+
+    warmup_gathers: int = 1
+    """Gathers sent raw after construction and after every :meth:`CieraAllGather.invalidate`.
+    At least 1: the first gather has no previous values to reuse."""
+
+    selection: str = "always"
+    """``always`` compresses every gather after warmup; ``never`` sends raw (useful as a baseline
+    that still exercises the code path); ``auto`` lets the cost model decide per bucket from
+    measured link and codec speeds."""
+
+    initial_capacity: float = 0.75
+    """First compressed payload capacity as a fraction of the codec's worst case (clamped to at
+    least its fixed part). Capacity then follows observed payloads."""
+
+    capacity_headroom: float = 1.25
+    """Capacity = headroom x the largest payload any rank needed over the last
+    ``capacity_window`` gathers. Larger means fewer overflows and more padding on the wire."""
+
+    capacity_window: int = 8
+    """Number of recent gathers whose largest payload sets the capacity."""
+
+    verify_interval: int = 0
+    """Every N gathers, compare per-shard checksums of the gathered buffer across ranks and raise
+    on any mismatch, naming the bucket and ranks. 0 disables."""
+
+    reevaluate_interval: int = 50
+    """With ``selection='auto'``: gathers between re-decisions of the cost model."""
+
+    hysteresis: float = 0.1
+    """With ``selection='auto'``: a bucket switches between raw and compressed only when the
+    predicted time of the other mode is better by this fraction."""
+
+    def __post_init__(self):
+        def bad(msg):
+            raise ValueError(f"CieraConfig: {msg}")
+
+        if self.codec not in CODECS:
+            bad(f"codec={self.codec!r}; expected one of {CODECS}")
+        if self.selection not in SELECTIONS:
+            bad(f"selection={self.selection!r}; expected one of {SELECTIONS}")
+        for name, lo, hi in (("block_size", 1, 4096), ("delta_block_size", 8, 4096)):
+            v = getattr(self, name)
+            if not (lo <= v <= hi) or v & (v - 1):
+                bad(f"{name}={v} must be a power of two in [{lo}, {hi}]")
+        if self.warmup_gathers < 1:
+            bad(f"warmup_gathers={self.warmup_gathers} must be >= 1 (the first gather is always raw)")
+        if not 0.0 < self.initial_capacity <= 1.0:
+            bad(f"initial_capacity={self.initial_capacity} must be in (0, 1]")
+        if self.capacity_headroom < 1.0:
+            bad(f"capacity_headroom={self.capacity_headroom} must be >= 1.0")
+        if self.capacity_window < 1:
+            bad(f"capacity_window={self.capacity_window} must be >= 1")
+        if self.verify_interval < 0:
+            bad(f"verify_interval={self.verify_interval} must be >= 0")
+        if self.reevaluate_interval < 1:
+            bad(f"reevaluate_interval={self.reevaluate_interval} must be >= 1")
+        if self.hysteresis < 0:
+            bad(f"hysteresis={self.hysteresis} must be >= 0")
+
+    def fingerprint(self) -> int:
+        """A 63-bit digest of every field, equal on ranks with equal configs (process-independent)."""
+        text = repr(sorted(dataclasses.asdict(self).items()))
+        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
