@@ -52,13 +52,16 @@ ciera_die() {
     exit 2
 }
 
-# Print the arguments as one line that a POSIX shell reads back as the same words.
+# Print the arguments as one line that bash reads back as the same words: plain words as they
+# are, others in single quotes, and words with control characters (a newline) in bash's $'...'.
 ciera_quote() {
     local IFS=' ' arg
     local -a out=()
     for arg in "$@"; do
         if [[ -n "$arg" && "$arg" != *[!A-Za-z0-9_./:=,+@%^-]* ]]; then
             out+=("$arg")
+        elif [[ "$arg" == *[[:cntrl:]]* ]]; then
+            out+=("$(printf '%q' "$arg")")
         else
             out+=("'${arg//\'/\'\\\'\'}'")
         fi
@@ -110,6 +113,8 @@ ciera_model_args() {
         --position-embedding-type rope
         --swiglu
         --disable-bias-linear
+        --attention-dropout 0.0
+        --hidden-dropout 0.0
         --init-method-std 0.02
     )
     if ((kv < heads)); then
@@ -214,9 +219,10 @@ ciera_build_args() {
     fi
     local tokenizer=${TOKENIZER:-}
     if [[ -z "$tokenizer" ]]; then
+        # NullTokenizer holds --vocab-size ids plus its EOD, so N - 1 gives the model's N rows.
         local vocab=$MODEL_VOCAB
         if [[ "$tiny" == 1 ]]; then vocab=512; fi
-        CIERA_TRAIN_ARGS+=(--tokenizer-type NullTokenizer --vocab-size "${VOCAB_SIZE:-$vocab}")
+        CIERA_TRAIN_ARGS+=(--tokenizer-type NullTokenizer --vocab-size "${VOCAB_SIZE:-$((vocab - 1))}")
     elif [[ "$tokenizer" == byte ]]; then
         CIERA_TRAIN_ARGS+=(--tokenizer-type NullTokenizer --vocab-size "$CIERA_BYTE_VOCAB_SIZE")
     else
