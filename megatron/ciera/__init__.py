@@ -1,0 +1,10 @@
+"""Megatron-Core binding of CIERA (``megatron.ciera``).
+
+``megatron`` is megatron-core's namespace package: this subpackage sits beside ``megatron.core``
+and there must never be a ``megatron/__init__.py``.
+
+- :mod:`megatron.ciera.bucket_group`: the one dispatch point replacing the parameter all-gather
+- :mod:`megatron.ciera.arguments`: Megatron-LM flag names plus ``--ciera-*``
+- :mod:`megatron.ciera.training`: the pretraining loop behind ``pretrain_gpt.py``
+- :mod:`megatron.ciera.cpu_compat`: the only place that lets Megatron-Core run without CUDA
+"""

@@ -1,0 +1,206 @@
+"""The only place that lets Megatron-Core run on a machine without CUDA.
+
+Megatron-Core assumes a GPU in a handful of places (see ``shared/reference/megatron-core-notes``):
+buffers allocated on ``torch.cuda.current_device()``, ``device='cuda'`` tensors in the optimizer,
+a type check that wants ``torch.cuda.*Tensor`` names, CUDA streams and events around the
+collectives, and the CUDA RNG state in the tensor-parallel RNG tracker. :func:`enable` redirects
+exactly those to the CPU so that DDP + the distributed optimizer + GPTModel (local spec) run on
+gloo ranks; nothing else is changed.
+
+It is opt-in and refuses to run where CUDA exists: the GPU path never sees any of this.
+
+    with cpu_compat.enabled():      # or cpu_compat.enable() for the rest of the process
+        ...build and train on CPU...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["enable", "disable", "enabled", "is_active"]
+
+_state: dict | None = None  # saved originals while active; None when inactive
+
+# CPU tensor type names as Megatron's optimizer expects to see them on a GPU.
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # A bare int is a CUDA ordinal in torch's device arguments.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CpuDeviceMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments to the CPU and reports CUDA type names for CPU tensors."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = _CUDA_TYPE_NAMES.get(args[0].dtype)
+            if name is not None:
+                return name
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = dict(kwargs, device="cpu")
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu") + tuple(args[2:])
+        return func(*args, **kwargs)
+
+
+class _FakeEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+class _FakeStream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return event or _FakeEvent()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+_FAKE_STREAM = _FakeStream()
+
+
+def _drop_cpu_rng_warning(record: logging.LogRecord) -> bool:
+    return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+def _patches() -> dict:
+    """``torch.cuda`` attributes replaced while active, name -> replacement."""
+    return {
+        "current_device": lambda: torch.device("cpu"),
+        "set_device": lambda device: None,
+        "device_count": lambda: 1,
+        "synchronize": lambda device=None: None,
+        "empty_cache": lambda: None,
+        "current_stream": lambda device=None: _FAKE_STREAM,
+        "default_stream": lambda device=None: _FAKE_STREAM,
+        "set_stream": lambda stream: None,
+        "stream": lambda stream=None: contextlib.nullcontext(),
+        "Stream": _FakeStream,
+        "Event": _FakeEvent,
+        # The tensor-parallel RNG tracker saves, seeds and restores the "CUDA" generator around
+        # dropout; the CPU's default generator takes that role, so the tracker forks and restores
+        # it exactly as it would the GPU's (and its states checkpoint the same way).
+        "get_rng_state": lambda device="cuda": torch.get_rng_state(),
+        "set_rng_state": lambda new_state, device="cuda": torch.set_rng_state(new_state),
+        # (torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the generator directly)
+        "manual_seed": lambda seed: torch.default_generator.manual_seed(int(seed)),
+        "manual_seed_all": lambda seed: None,
+    }
+
+
+def is_active() -> bool:
+    """True while :func:`enable` is in effect."""
+    return _state is not None
+
+
+def enable() -> None:
+    """Redirect Megatron-Core's CUDA assumptions to the CPU for the rest of the process.
+
+    Raises ``RuntimeError`` when CUDA is available: on a GPU use the real device. Idempotent.
+    """
+    global _state
+    if _state is not None:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError(
+            "megatron.ciera.cpu_compat: CUDA is available; the CPU shims are only for machines "
+            "without a GPU (use --device cuda)"
+        )
+    saved = {}
+    for name, fake in _patches().items():
+        saved[name] = getattr(torch.cuda, name, None)
+        setattr(torch.cuda, name, fake)
+    saved["random.get_rng_state"] = torch.cuda.random.get_rng_state
+    saved["random.set_rng_state"] = torch.cuda.random.set_rng_state
+    torch.cuda.random.get_rng_state = torch.cuda.get_rng_state
+    torch.cuda.random.set_rng_state = torch.cuda.set_rng_state
+    # Megatron's tracker sets states through its own helper, which defers the call until CUDA
+    # initialises (never, here): route it to the CPU generator too.
+    from megatron.core.tensor_parallel import random as tp_random
+
+    saved["tp_random._set_cuda_rng_state"] = tp_random._set_cuda_rng_state
+    tp_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    # The tracker warns when the CPU generator moves inside a fork: here it is the forked one.
+    logging.getLogger(tp_random.__name__).addFilter(_drop_cpu_rng_warning)
+    mode = _CpuDeviceMode()
+    mode.__enter__()
+    _state = {"saved": saved, "mode": mode}
+
+
+def disable() -> None:
+    """Undo :func:`enable` (no-op when inactive)."""
+    global _state
+    if _state is None:
+        return
+    _state["mode"].__exit__(None, None, None)
+    saved = _state["saved"]
+    torch.cuda.random.get_rng_state = saved.pop("random.get_rng_state")
+    torch.cuda.random.set_rng_state = saved.pop("random.set_rng_state")
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tp_random._set_cuda_rng_state = saved.pop("tp_random._set_cuda_rng_state")
+    logging.getLogger(tp_random.__name__).removeFilter(_drop_cpu_rng_warning)
+    for name, original in saved.items():
+        if original is None:
+            delattr(torch.cuda, name)
+        else:
+            setattr(torch.cuda, name, original)
+    _state = None
+
+
+@contextlib.contextmanager
+def enabled(active: bool = True) -> Iterator[None]:
+    """Context manager form of :func:`enable`; ``active=False`` makes it a no-op."""
+    if not active or is_active():
+        yield
+        return
+    enable()
+    try:
+        yield
+    finally:
+        disable()
