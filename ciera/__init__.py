@@ -9,5 +9,10 @@ Public API::
 
 from .codecs import Codec, available_codecs, make_codec
 from .config import CieraConfig
+from .gather import CieraAllGather, CieraVerifyError, GatherHandle, verify_replicas
+from .stats import GatherStats
 
-__all__ = ["CieraConfig", "Codec", "available_codecs", "make_codec"]
+__all__ = [
+    "CieraAllGather", "CieraConfig", "CieraVerifyError", "Codec", "GatherHandle", "GatherStats",
+    "available_codecs", "make_codec", "verify_replicas",
+]

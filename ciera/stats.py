@@ -1,0 +1,110 @@
+"""Counters of one compressed all-gather, and timers that do not stall the device.
+
+Bytes are counted as this rank receives them: a plain all-gather of a bucket delivers the whole
+bucket (``raw_bytes``); a compressed one delivers ``world x capacity`` bytes of payloads, plus the
+whole bucket again when a fallback round follows (``wire_bytes``). Both include the rank's own
+shard, so their ratio is the traffic ratio of the collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class GatherStats:
+    """Cumulative figures of one :class:`ciera.CieraAllGather` (a snapshot when read from it)."""
+
+    codec: str
+    """Codec of the most recent compressed gather (``raw`` if none yet)."""
+    raw_bytes: int = 0
+    """Bytes plain all-gathers would have delivered to this rank."""
+    wire_bytes: int = 0
+    """Bytes actually delivered to this rank (payloads at capacity, fallbacks in full)."""
+    payload_bytes: int = 0
+    """Bytes the payloads needed (sum of their headers' sizes, all ranks): wire minus padding."""
+    gathers: int = 0
+    """Completed gathers."""
+    raw_gathers: int = 0
+    """Gathers sent uncompressed (warmup, after invalidate, codec switches, selection chose raw)."""
+    compressed_gathers: int = 0
+    """Gathers that sent codec payloads (including those that then fell back)."""
+    overflows: int = 0
+    """Compressed gathers where some rank's payload exceeded capacity: a raw round followed."""
+    encode_s: float = 0.0
+    """Time encoding this rank's shard (device time on CUDA, host time on CPU)."""
+    decode_s: float = 0.0
+    """Time decoding the other ranks' payloads in place."""
+    comm_s: float = 0.0
+    """Host time from launching the collective to its completion in ``wait()`` (includes any
+    work the caller overlapped with it)."""
+    capacity_bytes: int = 0
+    """Current payload capacity per rank."""
+
+    @property
+    def ratio(self) -> float:
+        """raw / wire: the traffic reduction (1.0 when nothing was sent)."""
+        return self.raw_bytes / self.wire_bytes if self.wire_bytes else 1.0
+
+    def minus(self, earlier: "GatherStats") -> "GatherStats":
+        """Counters accumulated since ``earlier`` (codec and capacity are the current ones)."""
+        out = dataclasses.replace(self)
+        for f in dataclasses.fields(self):
+            if f.name not in ("codec", "capacity_bytes"):
+                setattr(out, f.name, getattr(self, f.name) - getattr(earlier, f.name))
+        return out
+
+    def plus(self, other: "GatherStats") -> "GatherStats":
+        """Sum of two counters (for totals over buckets); codec names are joined when they differ."""
+        out = dataclasses.replace(self)
+        for f in dataclasses.fields(self):
+            if f.name == "codec":
+                names = sorted(set(self.codec.split("+")) | set(other.codec.split("+")))
+                out.codec = "+".join(names)
+            else:
+                setattr(out, f.name, getattr(self, f.name) + getattr(other, f.name))
+        return out
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["ratio"] = self.ratio
+        return d
+
+
+@dataclass
+class SectionTimer:
+    """Accumulates durations of code sections without a device sync on the hot path.
+
+    On CUDA each section records a pair of events; their elapsed times are summed lazily in
+    :meth:`total`, which waits only for events already recorded. On CPU it uses the host clock.
+    """
+
+    device: torch.device
+    _pending: list = field(default_factory=list)
+    _total: float = 0.0
+
+    def start(self):
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def stop(self, token) -> None:
+        if self.device.type == "cuda":
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pending.append((token, end))
+        else:
+            self._total += time.perf_counter() - token
+
+    def total(self) -> float:
+        for begin, end in self._pending:
+            end.synchronize()
+            self._total += begin.elapsed_time(end) / 1e3
+        self._pending.clear()
+        return self._total

@@ -1,0 +1,32 @@
+import dataclasses
+
+import pytest
+
+from ciera import CieraConfig
+
+
+def test_defaults_are_valid_and_frozen():
+    cfg = CieraConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.codec = "raw"
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(codec="zstd"), "codec='zstd'"),
+    (dict(selection="sometimes"), "selection"),
+    (dict(block_size=6), "block_size=6 must be a power of two"),
+    (dict(delta_block_size=4), "delta_block_size=4"),
+    (dict(warmup_gathers=0), "warmup_gathers=0"),
+    (dict(initial_capacity=0.0), "initial_capacity"),
+    (dict(capacity_headroom=0.9), "capacity_headroom"),
+    (dict(verify_interval=-1), "verify_interval"),
+])
+def test_invalid_values_name_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CieraConfig(**kwargs)
+
+
+def test_fingerprint_is_stable_and_sensitive():
+    assert CieraConfig().fingerprint() == CieraConfig().fingerprint()
+    assert CieraConfig().fingerprint() != CieraConfig(block_size=16).fingerprint()
+    assert 0 <= CieraConfig().fingerprint() < 2**63
