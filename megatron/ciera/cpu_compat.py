@@ -108,9 +108,19 @@ def _drop_cpu_rng_warning(record: logging.LogRecord) -> bool:
     return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
 
 
-def _patches() -> dict:
-    """``torch.cuda`` attributes replaced while active, name -> replacement."""
-    return {
+def _split_sizes_to_host(tensor, as_numpy=False, record_stream=False):
+    """MoE all-to-all split sizes: upstream converts them to numpy only for CUDA tensors."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
+def _patches() -> list[tuple[object, str, object]]:
+    """(owner, attribute, replacement) for everything replaced while active."""
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    cuda = {
         "current_device": lambda: torch.device("cpu"),
         "set_device": lambda device: None,
         "device_count": lambda: 1,
@@ -131,6 +141,20 @@ def _patches() -> dict:
         "manual_seed": lambda seed: torch.default_generator.manual_seed(int(seed)),
         "manual_seed_all": lambda seed: None,
     }
+    patches = [(torch.cuda, name, fake) for name, fake in cuda.items()]
+    patches += [
+        (torch.cuda.random, "get_rng_state", cuda["get_rng_state"]),
+        (torch.cuda.random, "set_rng_state", cuda["set_rng_state"]),
+        # The tracker sets states through its own helper, which defers the call until CUDA
+        # initialises (never, here).
+        (tp_random, "_set_cuda_rng_state", lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)),
+        (moe_utils, "maybe_move_tensor_to_cpu", _split_sizes_to_host),
+        (token_dispatcher, "maybe_move_tensor_to_cpu", _split_sizes_to_host),
+    ]
+    return patches
+
+
+_MISSING = object()
 
 
 def is_active() -> bool:
@@ -151,22 +175,12 @@ def enable() -> None:
             "megatron.ciera.cpu_compat: CUDA is available; the CPU shims are only for machines "
             "without a GPU (use --device cuda)"
         )
-    saved = {}
-    for name, fake in _patches().items():
-        saved[name] = getattr(torch.cuda, name, None)
-        setattr(torch.cuda, name, fake)
-    saved["random.get_rng_state"] = torch.cuda.random.get_rng_state
-    saved["random.set_rng_state"] = torch.cuda.random.set_rng_state
-    torch.cuda.random.get_rng_state = torch.cuda.get_rng_state
-    torch.cuda.random.set_rng_state = torch.cuda.set_rng_state
-    # Megatron's tracker sets states through its own helper, which defers the call until CUDA
-    # initialises (never, here): route it to the CPU generator too.
-    from megatron.core.tensor_parallel import random as tp_random
-
-    saved["tp_random._set_cuda_rng_state"] = tp_random._set_cuda_rng_state
-    tp_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    saved = []
+    for owner, name, fake in _patches():
+        saved.append((owner, name, getattr(owner, name, _MISSING)))
+        setattr(owner, name, fake)
     # The tracker warns when the CPU generator moves inside a fork: here it is the forked one.
-    logging.getLogger(tp_random.__name__).addFilter(_drop_cpu_rng_warning)
+    logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_drop_cpu_rng_warning)
     mode = _CpuDeviceMode()
     mode.__enter__()
     _state = {"saved": saved, "mode": mode}
@@ -178,18 +192,12 @@ def disable() -> None:
     if _state is None:
         return
     _state["mode"].__exit__(None, None, None)
-    saved = _state["saved"]
-    torch.cuda.random.get_rng_state = saved.pop("random.get_rng_state")
-    torch.cuda.random.set_rng_state = saved.pop("random.set_rng_state")
-    from megatron.core.tensor_parallel import random as tp_random
-
-    tp_random._set_cuda_rng_state = saved.pop("tp_random._set_cuda_rng_state")
-    logging.getLogger(tp_random.__name__).removeFilter(_drop_cpu_rng_warning)
-    for name, original in saved.items():
-        if original is None:
-            delattr(torch.cuda, name)
+    logging.getLogger("megatron.core.tensor_parallel.random").removeFilter(_drop_cpu_rng_warning)
+    for owner, name, original in reversed(_state["saved"]):
+        if original is _MISSING:
+            delattr(owner, name)
         else:
-            setattr(torch.cuda, name, original)
+            setattr(owner, name, original)
     _state = None
 
 
