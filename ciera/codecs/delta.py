@@ -1,4 +1,4 @@
-"""``delta``: lossless temporal delta of whole bit patterns, packed per block at a chosen width.
+"""``delta``: lossless temporal delta of whole bit patterns, packed at widths the exponent predicts.
 
 Every value's bit pattern is read as an unsigned ``W``-bit integer (``W`` = 16 for bf16/fp16, 32
 for fp32). The sender sends ``z = zigzag((new - previous) mod 2^W)``; the receiver adds the
@@ -6,47 +6,49 @@ difference back to the previous value it already holds, modulo ``2^W``. The arit
 integers, so NaN payloads, infinities, signed zeros, subnormals and sign changes are just integers
 and round-trip bit for bit. Unchanged values give ``z = 0``; a one-ulp step gives ``z`` = 1 or 2.
 
-Values are grouped in blocks of ``B`` (``block_size``). Per block the encoder picks the width ``w``
-(0..W) that minimises ``B*w + E*x(w)`` bits, where ``x(w)`` is the number of values whose ``z``
-needs more than ``w`` bits and ``E`` the bits of one exception record (patched frame of reference):
-the low ``w`` bits of every value go into ``w`` bit planes, the high bits of the few outliers
-(values near zero that move by many ulp, sign flips, specials) go into exception records. Ties go
-to the smaller width. ``w = W`` with no exceptions is always a candidate, so a block never costs
-more than ``B*W`` bits.
+**Width from the previous exponent.** An optimizer step moves a weight by roughly the learning
+rate in absolute terms, so the number of ulps it moves (the size of ``z``) is set by the weight's
+magnitude: values near zero move by many ulps, large ones by 0-1. Both sides know every previous
+value, so the payload carries one width per exponent value (a 256-entry table for bf16/fp32, 32
+for fp16) and value ``i`` is packed in ``table[exponent(previous_i)]`` bits. The encoder picks each
+entry as the width minimising ``N_e*w + E*x_e(w)`` bits over the ``N_e`` values of that exponent,
+``x_e(w)`` of which need more than ``w`` bits: those become exceptions (patched frame of
+reference), whose low ``w`` bits stay in place and whose high bits ``z >> w`` go in an exception
+record of ``E = 8 (I + S)`` bits. Ties go to the smaller width. On our AdamW trajectories this
+costs ~2.6 bits per bf16 value at lr 1e-4, against ~4.3 for one width per position block of 64.
 
-Payload sections after the 32-byte header::
+**Layout.** Values form blocks of ``B = block_size`` (exception lists and the raw escape are per
+block) and each block is cut into groups of ``G = min(B, 64)`` values, each one byte-aligned bit
+stream (one GPU program per group). Payload sections after the 32-byte header::
 
-    widths  n_blocks bytes                       w of every block (0..W)
-    counts  n_blocks x I bytes (16-aligned)      exceptions of every block, little endian
+    table   2^exp_bits bytes                     width of each previous-exponent value (0..W)
+    counts  n_blocks x C bytes (16-aligned)      exceptions per block, little endian;
+                                                 all ones (``raw_mark``): the block is raw
     data    16-aligned, blocks back to back, byte granular; block b holds
-              planes  w x B/8 bytes              plane i, byte k, bit t: bit i of z[8k + t]
-              index   x x I bytes                in-block index of each exception, ascending
-              high    x x S bytes                z >> w of each exception, little endian
+              groups  per group ceil(sum w_i / 8) bytes: z_i & (2^w_i - 1) LSB first, in order
+              index   x_b x I bytes              in-block index of each exception, ascending
+              high    x_b x S bytes              z >> w of each exception, little endian
 
-``I`` = 1 byte when ``B <= 256`` else 2; ``S`` = bytes of one value (2 or 4); ``E = 8 (I + S)``.
-Block ``b`` starts at the prefix sum of the sizes ``w_b B/8 + x_b (I + S)`` of the blocks before
-it, which both sides compute from the fixed widths/counts sections: one exclusive scan, then every
-block packs and unpacks independently (one GPU program per block, no data-dependent host sync).
-A trailing partial block is padded with unchanged values (``z = 0``). Blocks that do not fit
-entirely inside the capacity are not written; the header then reports overflow and the needed size.
+``C`` = 1 byte when ``B < 255`` else 2; ``I`` = 1 byte when ``B <= 256`` else 2; ``S`` = bytes
+of one value. A raw block packs every value at width ``W`` (its groups are the little-endian ``z``
+values) and has no exceptions; the encoder makes a block raw when that is smaller, so no block
+ever exceeds its raw size and ``max_bytes`` = fixed part + raw bytes. A trailing partial block
+has width 0 past the end. Block and group offsets are exclusive prefix sums of sizes that both
+sides compute from the table, the counts and the previous values; blocks that do not fit entirely
+inside the capacity are not written (the header then reports overflow and the needed size).
 
 Sender state: a copy of the previous bit patterns (the receivers' ``target``).
 
-Why ``B = 64`` by default (measured on ``AdamTrajectory(numel=2**20, dtype=bf16)``, 30 warmup
-steps, mean of 20 steps; wire bytes / raw bytes)::
-
-    block     16     32     64    128    256
-    lr 1e-4  0.254  0.235  0.231  0.235  0.243
-    lr 3e-4  0.313  0.292  0.287  0.290  0.298
-
-Small blocks pay 2-3 bytes of widths/counts per block (1-1.5 bits per value at B = 16); large
-blocks let one busy region set the width of many quiet values. 64 is the minimum at both learning
-rates, and keeps one plane of a block to one 64-bit word.
+Why ``B = 256`` by default (``AdamTrajectory(numel=2**20, dtype=bf16)``, 30 warmup steps, mean of
+the next 20 steps; wire bytes / raw bytes): see :data:`MEASURED`. The width table makes the
+exception lists the only per-block cost (C bytes of count, byte alignment of every group), so
+larger blocks are cheaper until the one-byte indices run out at 256.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -54,10 +56,15 @@ from .base import HEADER_BYTES, Codec, PayloadHeader, align_up, write_header
 from .formats import FloatFormat, as_bits, from_unsigned, to_unsigned
 from .registry import register_codec
 
+GROUP = 64
+"""Most values in one byte-aligned bit stream."""
+
+MEASURED = """filled in below"""
+
 
 @dataclass(frozen=True)
 class DeltaLayout:
-    """Byte offsets and record sizes of a delta payload for one shard shape."""
+    """Byte offsets, record sizes and the group structure of a delta payload for one shard shape."""
 
     fmt: FloatFormat
     numel: int
@@ -65,26 +72,44 @@ class DeltaLayout:
 
     @property
     def width(self) -> int:
-        """``W``: bits of one value's pattern, the largest block width."""
+        """``W``: bits of one value's pattern, the widest a value is ever packed."""
         return self.fmt.total_bits
+
+    @property
+    def n_classes(self) -> int:
+        """Entries of the width table: one per exponent field value."""
+        return 1 << self.fmt.exp_bits
 
     @property
     def n_blocks(self) -> int:
         return -(-self.numel // self.block_size)
 
     @property
-    def plane_bytes(self) -> int:
-        """Bytes of one bit plane of one block."""
-        return self.block_size // 8
+    def group_size(self) -> int:
+        """``G``: values per byte-aligned bit stream."""
+        return min(self.block_size, GROUP)
+
+    @property
+    def groups_per_block(self) -> int:
+        return self.block_size // self.group_size
+
+    @property
+    def count_bytes(self) -> int:
+        """``C``: bytes of one block's exception count (:attr:`raw_mark` flags a raw block)."""
+        return 1 if self.block_size < 255 else 2
+
+    @property
+    def raw_mark(self) -> int:
+        return (1 << (8 * self.count_bytes)) - 1
 
     @property
     def index_bytes(self) -> int:
-        """``I``: bytes of one exception index and of one block's exception count."""
+        """``I``: bytes of one exception's in-block index."""
         return 1 if self.block_size <= 256 else 2
 
     @property
     def high_bytes(self) -> int:
-        """``S``: bytes of one exception's high part."""
+        """``S``: bytes of one exception's high part, and of one value of a raw block."""
         return self.fmt.itemsize
 
     @property
@@ -93,23 +118,25 @@ class DeltaLayout:
         return 8 * (self.index_bytes + self.high_bytes)
 
     @property
-    def off_widths(self) -> int:
+    def off_table(self) -> int:
         return HEADER_BYTES
 
     @property
     def off_counts(self) -> int:
-        return align_up(self.off_widths + self.n_blocks)
+        return align_up(self.off_table + self.n_classes)
 
     @property
     def off_data(self) -> int:
-        return align_up(self.off_counts + self.n_blocks * self.index_bytes)
+        return align_up(self.off_counts + self.n_blocks * self.count_bytes)
 
-    @property
-    def max_block_bytes(self) -> int:
-        """A block at full width: the most any block can take (see the module docstring)."""
-        return self.width * self.plane_bytes
+    def group_valid(self, device) -> torch.Tensor:
+        """Values of the shard in every group, ``[n_blocks, groups_per_block]`` int64."""
+        G = self.group_size
+        first = torch.arange(self.n_blocks * self.groups_per_block, dtype=torch.int64, device=device) * G
+        return (self.numel - first).clamp(0, G).view(self.n_blocks, self.groups_per_block)
 
 
+# -- pieces shared by the reference and the Triton glue ----------------------------------------
 def zigzag(fmt: FloatFormat, u_new: torch.Tensor, u_old: torch.Tensor) -> torch.Tensor:
     """``zigzag((u_new - u_old) mod 2^W)`` of unsigned patterns (from :func:`to_unsigned`)."""
     W = fmt.total_bits
@@ -124,22 +151,73 @@ def unzigzag_add(fmt: FloatFormat, u_old: torch.Tensor, z: torch.Tensor) -> torc
     return (u_old + ((z >> 1) ^ -(z & 1))) & mask
 
 
-def _choose_widths(layout: DeltaLayout, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per block of ``z`` (``[n_blocks, B]``): (width, exception count, bit length of every z).
+def exponent_of(fmt: FloatFormat, u: torch.Tensor) -> torch.Tensor:
+    """Exponent field of unsigned patterns: the width-table class."""
+    return (u >> fmt.mant_bits) & ((1 << fmt.exp_bits) - 1)
 
-    Minimises ``B*w + E*x(w)``; ties go to the smaller ``w`` (key ``cost*64 + w``)."""
-    W, B = layout.width, layout.block_size
-    nb = z.shape[0]
-    # Bit length of z: frexp is exact for integers below 2^53 and gives 0 for 0.
-    bitlen = torch.frexp(z.to(torch.float64))[1].to(torch.int64)
-    hist = torch.zeros(nb, W + 1, dtype=torch.int64, device=z.device)
-    hist.scatter_add_(1, bitlen, torch.ones_like(bitlen))
-    above = B - torch.cumsum(hist, 1)  # above[:, w] = values needing more than w bits
-    w = torch.arange(W + 1, dtype=torch.int64, device=z.device)
-    key = (B * w + layout.exception_bits * above) * 64 + w
-    width = key.argmin(1)
-    count = above.gather(1, width[:, None]).squeeze(1)
-    return width, count, bitlen
+
+def bit_length(z: torch.Tensor) -> torch.Tensor:
+    """Bits needed by non-negative integers below 2^32 (0 for 0), int64."""
+    return torch.frexp(z.to(torch.float64))[1].to(torch.int64)  # exact: integers below 2^53
+
+
+def choose_table(layout: DeltaLayout, hist: torch.Tensor) -> torch.Tensor:
+    """Width per exponent class from ``hist[class * (W + 1) + bit length]`` counts (int64).
+
+    Minimises ``N*w + E*x(w)`` per class; ties go to the smaller ``w`` (key ``cost*64 + w``)."""
+    W = layout.width
+    hist = hist.view(layout.n_classes, W + 1).to(torch.int64)
+    above = hist.sum(1, keepdim=True) - torch.cumsum(hist, 1)  # above[:, w]: need more than w bits
+    w = torch.arange(W + 1, dtype=torch.int64, device=hist.device)
+    key = (hist.sum(1, keepdim=True) * w + layout.exception_bits * above) * 64 + w
+    return key.argmin(1)
+
+
+class BlockPlan(NamedTuple):
+    """Where everything of every block and group goes (absolute payload offsets, int64)."""
+
+    raw: torch.Tensor          # [nb] bool: block sent raw
+    count: torch.Tensor        # [nb] exceptions (0 for raw blocks)
+    group_start: torch.Tensor  # [nb, NG] first byte of each group's bit stream
+    exc_start: torch.Tensor    # [nb] first byte of the block's exception indices
+    block_end: torch.Tensor    # [nb] one past the block's last byte
+    needed: torch.Tensor       # 0-d: bytes the whole payload needs
+
+
+def plan_blocks(layout: DeltaLayout, group_bits: torch.Tensor, count: torch.Tensor,
+                raw: torch.Tensor | None) -> BlockPlan:
+    """Offsets from the table-mode bits of every group ``[nb, NG]`` and exceptions per block.
+
+    ``raw=None`` (encoder): a block goes raw when its table-mode size exceeds its raw size.
+    Otherwise (decoder) ``raw`` comes from the counts section."""
+    S = layout.high_bytes
+    valid = layout.group_valid(group_bits.device)
+    group_bytes = (group_bits + 7) // 8
+    exc_bytes = count * (layout.index_bytes + S)
+    if raw is None:
+        raw = group_bytes.sum(1) + exc_bytes > valid.sum(1) * S
+    group_bytes = torch.where(raw[:, None], valid * S, group_bytes)
+    exc_bytes = torch.where(raw, 0, exc_bytes)
+    count = torch.where(raw, 0, count)
+    seg = torch.cat([group_bytes, exc_bytes[:, None]], 1)  # [nb, NG + 1] in payload order
+    ends = layout.off_data + torch.cumsum(seg.reshape(-1), 0).view(seg.shape)
+    starts = ends - seg
+    return BlockPlan(raw, count, starts[:, :-1], starts[:, -1], ends[:, -1],
+                     ends[-1, -1] if seg.numel() else torch.tensor(layout.off_data, device=seg.device))
+
+
+def count_field(layout: DeltaLayout, plan: BlockPlan) -> torch.Tensor:
+    """Little-endian bytes of the counts section."""
+    c = torch.where(plan.raw, layout.raw_mark, plan.count)
+    return _le_bytes(c, layout.count_bytes).reshape(-1)
+
+
+def read_counts(layout: DeltaLayout, payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(raw flag, exception count) of every block from the counts section."""
+    nb, C = layout.n_blocks, layout.count_bytes
+    c = _from_le_bytes(payload[layout.off_counts : layout.off_counts + nb * C].view(nb, C))
+    raw = c == layout.raw_mark
+    return raw, torch.where(raw, 0, c)
 
 
 def _le_bytes(x: torch.Tensor, nbytes: int) -> torch.Tensor:
@@ -154,104 +232,129 @@ def _from_le_bytes(b: torch.Tensor) -> torch.Tensor:
     return (b.to(torch.int64) << shifts).sum(-1)
 
 
-def block_sizes(layout: DeltaLayout, width: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """Bytes of every block's data (int64)."""
-    return width * layout.plane_bytes + count * (layout.index_bytes + layout.high_bytes)
+def _grouped(layout: DeltaLayout, u: torch.Tensor, fill: int = 0) -> torch.Tensor:
+    """``[n]`` -> ``[nb, NG, G]`` int64, padded with ``fill``."""
+    nb, NG, G = layout.n_blocks, layout.groups_per_block, layout.group_size
+    x = torch.full((nb * layout.block_size,), fill, dtype=torch.int64, device=u.device)
+    x[: layout.numel] = u
+    return x.view(nb, NG, G)
 
 
+def _value_widths(layout: DeltaLayout, table: torch.Tensor, e_prev: torch.Tensor, valid: torch.Tensor,
+                  raw: torch.Tensor | None) -> torch.Tensor:
+    w = torch.where(valid, table[e_prev], 0)
+    if raw is not None:
+        w = torch.where(raw[:, None, None] & valid, layout.width, w)
+    return w
+
+
+# -- reference ---------------------------------------------------------------------------------
 def encode_reference(*, layout: DeltaLayout, shard_bits: torch.Tensor, state: torch.Tensor,
                      out: torch.Tensor) -> torch.Tensor:
     """Pure-torch encoder. Writes every section of ``out`` but the header (blocks that do not fit
     are skipped), updates ``state`` (previous bit patterns) and returns the bytes needed as a 0-d
     int64 tensor on ``out``'s device."""
-    n, B, W, nb = layout.numel, layout.block_size, layout.width, layout.n_blocks
+    n, W, fmt = layout.numel, layout.width, layout.fmt
     dev = out.device
     if n == 0:
         return torch.tensor(layout.off_data, dtype=torch.int64, device=dev)
-    z = torch.zeros(nb * B, dtype=torch.int64, device=dev)
-    z[:n] = zigzag(layout.fmt, to_unsigned(shard_bits), to_unsigned(state))
-    z = z.view(nb, B)
-    width, count, bitlen = _choose_widths(layout, z)
-    sizes = block_sizes(layout, width, count)
-    ends = torch.cumsum(sizes, 0)
-    starts = layout.off_data + ends - sizes
-    needed = layout.off_data + ends[-1]
-    fits = layout.off_data + ends <= out.numel()
+    u_new, u_old = to_unsigned(shard_bits), to_unsigned(state)
+    z = _grouped(layout, zigzag(fmt, u_new, u_old))
+    e_prev = _grouped(layout, exponent_of(fmt, u_old))
+    valid = _grouped(layout, torch.ones(n, dtype=torch.int64, device=dev)).bool()
+    bitlen = bit_length(z)
 
-    I, S, P = layout.index_bytes, layout.high_bytes, layout.plane_bytes
-    out[layout.off_widths : layout.off_widths + nb] = width.to(torch.uint8)
-    out[layout.off_counts : layout.off_counts + nb * I] = _le_bytes(count, I).reshape(-1)
+    hist = torch.zeros(layout.n_classes * (W + 1), dtype=torch.int64, device=dev)
+    hist.index_add_(0, (e_prev * (W + 1) + bitlen)[valid], torch.ones(n, dtype=torch.int64, device=dev))
+    table = choose_table(layout, hist)
+    w = _value_widths(layout, table, e_prev, valid, None)
+    exc = bitlen > w
+    plan = plan_blocks(layout, w.sum(-1), exc.sum((1, 2)), None)
+    out[layout.off_table : layout.off_table + layout.n_classes] = table.to(torch.uint8)
+    out[layout.off_counts : layout.off_counts + layout.n_blocks * layout.count_bytes] = count_field(layout, plan)
 
-    # Bit planes: plane i of block b, byte k at starts[b] + i*P + k, for i < width[b].
-    z8 = z.view(nb, P, 8)
-    weights = (1 << torch.arange(8, dtype=torch.int64, device=dev))
-    k = torch.arange(P, dtype=torch.int64, device=dev)
-    for i in range(W):
-        sel = (width > i) & fits
-        if not bool(sel.any()):
-            break  # widths only shrink the set as i grows
-        plane = (((z8[sel] >> i) & 1) * weights).sum(-1).to(torch.uint8)
-        out[(starts[sel, None] + i * P + k).reshape(-1)] = plane.reshape(-1)
+    # Blocks fit as a prefix (block ends increase); only they are written.
+    fits = plan.block_end <= out.numel()
+    n_fit = int(fits.sum())
+    if n_fit == 0:
+        state.copy_(shard_bits)
+        return plan.needed
+    fit_end = int(plan.block_end[n_fit - 1])
+    w = _value_widths(layout, table, e_prev, valid, plan.raw)[:n_fit]
+    exc = (exc & ~plan.raw[:, None, None])[:n_fit]
+    z = z[:n_fit]
 
-    # Exceptions: index and high part of every value whose z needs more than width bits.
-    exc = (bitlen > width[:, None]) & fits[:, None]
+    # Groups: value bits at 8*group_start + (exclusive prefix of widths), scattered bytewise.
+    bitpos = 8 * plan.group_start[:n_fit, :, None] + torch.cumsum(w, -1) - w
+    low = (z & ((1 << w) - 1)) << (bitpos & 7)
+    at = (bitpos >> 3) - layout.off_data
+    staging = torch.zeros(fit_end - layout.off_data + 8, dtype=torch.int64, device=dev)
+    live = w > 0
+    at, low = at[live], low[live]
+    for t in range(W // 8 + 1):  # W + 7 bits span W/8 + 1 bytes
+        staging.index_add_(0, at + t, (low >> (8 * t)) & 0xFF)
+    out[layout.off_data : fit_end] = staging[: fit_end - layout.off_data].to(torch.uint8)
+
     if bool(exc.any()):
-        rank = torch.cumsum(exc, 1) - 1
-        b, j = torch.nonzero(exc, as_tuple=True)
-        r, w, c = rank[b, j], width[b], count[b]
-        base = starts[b] + w * P
-        out[(base[:, None] + r[:, None] * I + torch.arange(I, device=dev)).reshape(-1)] = _le_bytes(j, I).reshape(-1)
-        hi = z[b, j] >> w
-        out[(base[:, None] + c[:, None] * I + r[:, None] * S + torch.arange(S, device=dev)).reshape(-1)] = (
-            _le_bytes(hi, S).reshape(-1))
+        I, S, G = layout.index_bytes, layout.high_bytes, layout.group_size
+        rank = torch.cumsum(exc.view(n_fit, -1), 1).view(exc.shape) - 1
+        b, g, j = torch.nonzero(exc, as_tuple=True)
+        r, wj = rank[b, g, j], w[b, g, j]
+        idx_at = plan.exc_start[b, None] + r[:, None] * I + torch.arange(I, device=dev)
+        out[idx_at.reshape(-1)] = _le_bytes(g * G + j, I).reshape(-1)
+        hi_at = plan.exc_start[b, None] + plan.count[b, None] * I + r[:, None] * S + torch.arange(S, device=dev)
+        out[hi_at.reshape(-1)] = _le_bytes(z[b, g, j] >> wj, S).reshape(-1)
     state.copy_(shard_bits)
-    return needed
+    return plan.needed
 
 
 def decode_reference(*, layout: DeltaLayout, payload: torch.Tensor, target_bits: torch.Tensor) -> None:
     """Pure-torch decoder: ``target_bits`` (previous values) becomes the encoded shard."""
-    n, B, W, nb = layout.numel, layout.block_size, layout.width, layout.n_blocks
+    n, W, fmt = layout.numel, layout.width, layout.fmt
     if n == 0:
         return
     dev = payload.device
-    I, S, P = layout.index_bytes, layout.high_bytes, layout.plane_bytes
-    width = payload[layout.off_widths : layout.off_widths + nb].to(torch.int64)
-    count = _from_le_bytes(payload[layout.off_counts : layout.off_counts + nb * I].view(nb, I))
-    sizes = block_sizes(layout, width, count)
-    starts = layout.off_data + torch.cumsum(sizes, 0) - sizes
+    I, S, G = layout.index_bytes, layout.high_bytes, layout.group_size
+    table = payload[layout.off_table : layout.off_table + layout.n_classes].to(torch.int64)
+    raw, count = read_counts(layout, payload)
+    u_old = to_unsigned(target_bits)
+    e_prev = _grouped(layout, exponent_of(fmt, u_old))
+    valid = _grouped(layout, torch.ones(n, dtype=torch.int64, device=dev)).bool()
+    w = _value_widths(layout, table, e_prev, valid, None)
+    plan = plan_blocks(layout, w.sum(-1), count, raw)
+    w = _value_widths(layout, table, e_prev, valid, raw)
 
-    z = torch.zeros(nb, B, dtype=torch.int64, device=dev)
-    z8 = z.view(nb, P, 8)
-    shifts = torch.arange(8, dtype=torch.int64, device=dev)
-    k = torch.arange(P, dtype=torch.int64, device=dev)
-    for i in range(W):
-        sel = width > i
-        if not bool(sel.any()):
-            break
-        plane = payload[(starts[sel, None] + i * P + k)].to(torch.int64)  # [blocks, P]
-        z8[sel] |= ((plane[..., None] >> shifts) & 1) << i
+    bitpos = 8 * plan.group_start[:, :, None] + torch.cumsum(w, -1) - w
+    at = bitpos >> 3
+    last = payload.numel() - 1
+    z = torch.zeros_like(w)
+    for t in range(W // 8 + 1):
+        z |= payload[torch.clamp(at + t, max=last)].to(torch.int64) << (8 * t)
+    z = (z >> (bitpos & 7)) & ((1 << w) - 1)
 
     total = int(count.sum())
     if total:
-        b = torch.repeat_interleave(torch.arange(nb, device=dev), count)
+        b = torch.repeat_interleave(torch.arange(layout.n_blocks, device=dev), count)
         r = torch.arange(total, device=dev) - (torch.cumsum(count, 0) - count)[b]
-        w, c = width[b], count[b]
-        base = starts[b] + w * P
-        j = _from_le_bytes(payload[base[:, None] + r[:, None] * I + torch.arange(I, device=dev)])
-        hi = _from_le_bytes(payload[base[:, None] + c[:, None] * I + r[:, None] * S + torch.arange(S, device=dev)])
-        z[b, j] |= hi << w
-    u = unzigzag_add(layout.fmt, to_unsigned(target_bits), z.view(-1)[:n])
+        j = _from_le_bytes(payload[plan.exc_start[b, None] + r[:, None] * I + torch.arange(I, device=dev)])
+        hi_at = plan.exc_start[b, None] + count[b, None] * I + r[:, None] * S + torch.arange(S, device=dev)
+        hi = _from_le_bytes(payload[hi_at])
+        zb = z.view(layout.n_blocks, -1)
+        wb = w.view(layout.n_blocks, -1)
+        zb[b, j] |= hi << wb[b, j]
+    u = unzigzag_add(fmt, u_old, z.view(-1)[:n])
     target_bits.copy_(from_unsigned(u, target_bits.dtype))
 
 
 @register_codec
 class DeltaCodec(Codec):
-    """Temporal delta with per-block widths and exceptions. State: previous bit patterns."""
+    """Temporal delta, widths predicted by each value's previous exponent, exceptions per block.
+    State: previous bit patterns."""
 
     name = "delta"
     codec_id = 2
 
-    def __init__(self, *, dtype: torch.dtype, numel: int, backend: str = "auto", block_size: int = 64):
+    def __init__(self, *, dtype: torch.dtype, numel: int, backend: str = "auto", block_size: int = 256):
         super().__init__(dtype=dtype, numel=numel, backend=backend)
         if not 8 <= block_size <= 4096 or block_size & (block_size - 1):
             raise ValueError(f"delta: block_size={block_size} must be a power of two in [8, 4096]")
@@ -264,7 +367,7 @@ class DeltaCodec(Codec):
 
     @property
     def max_bytes(self) -> int:
-        return self.layout.off_data + self.layout.n_blocks * self.layout.max_block_bytes
+        return self.layout.off_data + self.raw_bytes
 
     def new_state(self, *, shard: torch.Tensor) -> torch.Tensor:
         self._check_shard(shard)
