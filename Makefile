@@ -1,0 +1,28 @@
+# Set-up and everyday commands. `make demo` and `make test` do all the set-up on a fresh machine.
+PYTHON ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test test-all bench
+
+setup: $(VENV)/.installed
+
+# torch==2.13.0 (CPU) via the `cpu` extra; GPU clusters install with `pip install -e '.[triton]'`.
+$(VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
+	$(BIN)/python -m pip install -q -e '.[cpu,triton,dev]'
+	touch $@
+
+demo: setup
+	$(BIN)/python examples/cpu_demo.py
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-all: setup
+	$(BIN)/python -m pytest -q --runslow
+
+bench: setup
+	$(BIN)/python tools/bench_codec.py
+	$(BIN)/python tools/bench_allgather.py

@@ -1,0 +1,33 @@
+"""The benchmarks run in smoke mode, so they cannot drift from the API."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", TOOLS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_codec_smoke(capsys):
+    assert load("bench_codec").main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "| exponent_reuse |" in out and "| raw |" in out
+
+
+def test_bench_codec_block_sweep_smoke(capsys):
+    assert load("bench_codec").main(["--smoke", "--sweep-block"]) == 0
+    assert "| exponent_reuse | 512 |" in capsys.readouterr().out
+
+
+@pytest.mark.distributed
+def test_bench_allgather_smoke(capsys, tmp_path):
+    md = tmp_path / "t.md"
+    assert load("bench_allgather").main(["--smoke", "--out-md", str(md)]) == 0
+    assert "| exponent_reuse |" in md.read_text()

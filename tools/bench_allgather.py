@@ -1,0 +1,116 @@
+#!/usr/bin/env python
+"""Plain all-gather vs CieraAllGather, side by side in one run, on the same buffer trajectory.
+
+Every rank advances its shard along an AdamW trajectory (``ciera.trajectory``); each step the same
+new shard is gathered twice: by ``all_gather_into_tensor`` into one buffer and by CieraAllGather
+into another, alternating which goes first. The two buffers are compared bit for bit. Printed per
+buffer size and codec: median time per gather of each, their ratio, and bytes received per rank.
+
+    python tools/bench_allgather.py                       # gloo, 4 ranks, 16M and 64M values
+    python tools/bench_allgather.py --backend nccl        # one process per GPU (torchrun-less spawn)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ciera import CieraAllGather, CieraConfig  # noqa: E402
+from ciera.codecs import as_bits  # noqa: E402
+from ciera.testing import run_on_ranks  # noqa: E402
+from ciera.trajectory import AdamTrajectory  # noqa: E402
+
+
+def _worker(rank, world, numel, codecs, lr, warmup, steps, device_type):
+    device = torch.device(f"cuda:{rank}") if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    shard = numel // world
+    traj = AdamTrajectory(numel=shard, lr=lr, seed=rank, device=device)
+    plain = torch.zeros(numel, dtype=torch.bfloat16, device=device)
+    gathers = {c: CieraAllGather(torch.zeros_like(plain), config=CieraConfig(codec=c), name=c) for c in codecs}
+    times = {c: [] for c in ["plain", *codecs]}
+
+    def timed(fn):
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    for step in range(warmup + steps):
+        if step == warmup:
+            before = {c: g.stats for c, g in gathers.items()}
+        x = traj.step()
+        plain.view(world, -1)[rank].copy_(x)
+        order = [("plain", None), *((c, g) for c, g in gathers.items())]
+        if step % 2:
+            order.reverse()
+        for name, g in order:
+            if g is None:
+                t = timed(lambda: dist.all_gather_into_tensor(plain, plain.view(world, -1)[rank]))
+            else:
+                g.buffer.view(world, -1)[rank].copy_(x)
+                t = timed(lambda: g.start().wait())
+            if step >= warmup:
+                times[name].append(t)
+        for c, g in gathers.items():
+            if not torch.equal(as_bits(g.buffer), as_bits(plain)):
+                raise AssertionError(f"{c}: gathered buffer differs from all_gather_into_tensor")
+    return {"times": times, "stats": {c: g.stats.minus(before[c]) for c, g in gathers.items()}}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=4)
+    p.add_argument("--numel", type=int, nargs="+", default=[1 << 24, 1 << 26], help="bucket sizes (values)")
+    p.add_argument("--codecs", nargs="+", default=["exponent_reuse", "delta"])
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--warmup", type=int, default=20, help="steps before timing (first gathers are raw)")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes: checks the benchmark runs")
+    p.add_argument("--out-md", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.world, args.numel, args.warmup, args.steps = 2, [4096], 2, 2
+    if args.backend == "nccl":
+        raise SystemExit("--backend nccl: run under torchrun on a GPU node (not wired into this launcher yet)")
+
+    print(f"# bench_allgather: {args.backend}, {args.world} ranks, bf16, lr {args.lr:g}, warmup {args.warmup}, "
+          f"{args.steps} timed steps, torch {torch.__version__}")
+    lines = ["| values | codec | plain ms | CIERA ms | speed-up | wire/raw | overflows | raw gathers |",
+             "|---|---|---|---|---|---|---|---|"]
+    for numel in args.numel:
+        results = run_on_ranks(_worker, world=args.world,
+                               args=(numel, args.codecs, args.lr, args.warmup, args.steps, "cpu"))
+        # A gather is as slow as its slowest rank.
+        def med(name):
+            return statistics.median(max(r["times"][name][i] for r in results) for i in range(args.steps))
+        plain = med("plain")
+        for c in args.codecs:
+            s = results[0]["stats"][c]
+            t = med(c)
+            lines.append(f"| {numel:,} | {c} | {plain * 1e3:.1f} | {t * 1e3:.1f} | {plain / t:.2f}x "
+                         f"| {s.wire_bytes / s.raw_bytes:.3f} | {s.overflows} | {s.raw_gathers} |")
+            print(lines[-1], flush=True)
+    table = "\n".join(lines)
+    print(table)
+    if args.out_md:
+        args.out_md.write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
