@@ -32,9 +32,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from .codecs import Codec, PayloadHeader, make_codec, read_headers
+from .codecs import HEADER_BYTES, Codec, PayloadHeader, make_codec, read_headers
 from .codecs.formats import FORMATS, as_bits, float_format
 from .config import CieraConfig
+from .selection import Selector
 from .stats import GatherStats, SectionTimer
 
 logger = logging.getLogger(__name__)
@@ -83,12 +84,15 @@ class CieraAllGather:
         config: a :class:`CieraConfig`; must be equal on every rank of ``group``.
         name: used in logs and error messages (e.g. ``"expert.bucket3"``).
 
+        link: with ``selection='auto'``, the group's measured link (``ciera.cost_model.measure_link``;
+            share one per group); measured here when omitted.
+
     Construction is collective over ``group``: it checks that every rank passed the same config,
     dtype and size, and fails with a clear error otherwise.
     """
 
     def __init__(self, buffer: torch.Tensor, *, group=None, config: CieraConfig | None = None,
-                 name: str = "bucket"):
+                 name: str = "bucket", link=None):
         config = CieraConfig() if config is None else config
         if not isinstance(config, CieraConfig):
             raise TypeError(f"{name}: config must be a CieraConfig, got {type(config).__name__}")
@@ -119,6 +123,8 @@ class CieraAllGather:
         self._stats = GatherStats(codec="raw", capacity_bytes=self._capacity)
         self._encode_timer = SectionTimer(buffer.device)
         self._decode_timer = SectionTimer(buffer.device)
+        self._started = 0
+        self.selector = Selector(self, link=link) if self._codecs and config.selection == "auto" else None
 
     # -- public API ------------------------------------------------------------------------------
     def start(self) -> GatherHandle | _DoneHandle:
@@ -131,6 +137,7 @@ class CieraAllGather:
             return _DoneHandle()
         try:
             mode = self._choose_mode()
+            self._started += 1
             launched = time.perf_counter()
             if mode == "raw":
                 self._prepare_state_after_raw()
@@ -215,9 +222,32 @@ class CieraAllGather:
     def _choose_mode(self) -> str:
         """'raw' or the codec to use for this gather. Identical on every rank by construction: it
         depends only on config and on figures every rank derived from the same gathered headers."""
+        if not self._codecs:
+            return "raw"
+        if self.selector is not None:
+            self.selector.before_gather(self._started, warmup_left=self._raw_left)
         if self._codec_name is None or self._raw_left > 0:
             return "raw"
         return self._codec_name
+
+    def _switch(self, name: str | None, *, previous_shard: torch.Tensor | None, needed: int | None) -> None:
+        """Use codec ``name`` (``None``: raw) from this gather on. Receivers hold
+        ``previous_shard``, so the new codec's state is built from it: no raw round is needed."""
+        self._codec_name = name
+        self._state = None
+        if name is None:
+            return
+        self._state = self._codecs[name].new_state(shard=previous_shard)
+        self._needed.clear()
+        if needed is not None:
+            self._update_capacity(self._codecs[name], needed)
+
+    def _encode_probe(self, name: str, previous_shard: torch.Tensor) -> int:
+        """Bytes codec ``name`` needs for this shard against ``previous_shard`` (local, no collective)."""
+        codec = self._codecs[name]
+        scratch = torch.empty(codec.clamp_capacity(codec.max_bytes), dtype=torch.uint8, device=self.buffer.device)
+        codec.encode(shard=self._shard, state=codec.new_state(shard=previous_shard), out=scratch)
+        return PayloadHeader(scratch[:HEADER_BYTES].view(torch.int64).cpu()).needed
 
     def _prepare_state_after_raw(self) -> None:
         """A raw gather is launching: afterwards receivers hold this shard exactly, so the codec

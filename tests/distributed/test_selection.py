@@ -1,0 +1,52 @@
+"""selection='auto': the cost model's decisions inside a real gather, identical on every rank,
+bit-exact through every switch."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ciera import CieraAllGather, CieraConfig
+from ciera.codecs import as_bits
+from ciera.cost_model import LinkModel
+from ciera.testing import run_on_ranks
+from ciera.trajectory import AdamTrajectory, adversarial_step
+
+pytestmark = pytest.mark.distributed
+
+
+def _worker(rank, world, bandwidth, codec, steps):
+    n = 4096 * world
+    buf = torch.zeros(n, dtype=torch.bfloat16)
+    ref = torch.zeros_like(buf)
+    traj = AdamTrajectory(numel=n // world, seed=rank)
+    gen = torch.Generator().manual_seed(rank)
+    link = LinkModel(bandwidth_bytes_per_s=bandwidth, latency_s=1e-5)
+    gather = CieraAllGather(buf, link=link, name="b0",
+                            config=CieraConfig(codec=codec, selection="auto", reevaluate_interval=7))
+    modes = []
+    for step in range(steps):
+        x = traj.step()
+        if step == 20:
+            x = adversarial_step(x, kind="replace", gen=gen)  # a burst the selector must survive
+        buf.view(world, -1)[rank].copy_(x)
+        gather.start().wait()
+        dist.all_gather_into_tensor(ref, x)
+        assert torch.equal(as_bits(buf), as_bits(ref)), step
+        modes.append(gather._codec_name)
+    return modes, gather.stats, gather.selector.decisions
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_slow_link_compresses_fast_link_does_not(world):
+    slow = run_on_ranks(_worker, world=world, args=(1e6, "auto", 30))
+    fast = run_on_ranks(_worker, world=world, args=(1e13, "auto", 30))
+    for runs in (slow, fast):
+        assert all(r[0] == runs[0][0] for r in runs), "ranks took different decisions"
+        assert runs[0][2] >= 3
+    assert slow[0][0][-1] in ("exponent_reuse", "delta") and slow[0][1].ratio > 1.5
+    assert fast[0][0][-1] is None and fast[0][1].ratio == 1.0
+
+
+def test_single_codec_auto_can_still_choose_raw():
+    runs = run_on_ranks(_worker, world=2, args=(1e13, "exponent_reuse", 16))
+    assert runs[0][0][-1] is None
