@@ -17,10 +17,12 @@ Link models (``allgather_time``):
 
 * :class:`LinkModel` -- one homogeneous link, ring algorithm: ``(world - 1)`` steps, each one
   ``latency + bytes_per_rank / bandwidth``.
-* :class:`TwoLevelLink` -- ``gpus_per_node`` ranks per node on a fast link, nodes joined by a slow
-  one. ``algorithm='ring'`` is a flat ring whose every step waits for the slowest link on the ring;
-  ``algorithm='hierarchical'`` gathers across nodes first (every local rank rings over the nodes on
-  its own NIC) then within the node (each rank forwards ``nodes`` shards over the fast link).
+* :class:`TwoLevelLink` -- ``gpus_per_node`` ranks per node on a fast link, nodes joined by
+  ``nics_per_node`` NICs each of ``inter`` speed. ``algorithm='ring'`` is a flat ring split into
+  ``nics_per_node`` channels (as NCCL does), every step paced by the slower of the intra link and
+  the node's NICs together; ``algorithm='hierarchical'`` gathers across nodes first (every local
+  rank rings over the nodes, the local ranks sharing the node's NICs) then within the node (each
+  rank forwards ``nodes`` shards over the fast link).
 
 Bandwidths are per rank and per direction, in bytes per second of payload.
 """
@@ -81,10 +83,14 @@ class TwoLevelLink:
     """The link inside a node (NVLink / NVSwitch)."""
 
     inter: LinkModel
-    """The link between nodes, per rank (one NIC per GPU, rail-optimised)."""
+    """One NIC between nodes (bandwidth per direction, latency per hop)."""
 
     gpus_per_node: int
     """Ranks per node. A group of at most this many ranks stays on ``intra``."""
+
+    nics_per_node: int = 1
+    """NICs per node. 1: one shared port per node; ``gpus_per_node``: one per GPU (DGX-style, rail
+    optimised), which lets ring channels or the local ranks cross nodes in parallel."""
 
     algorithm: str = "ring"
     """``ring`` (one flat ring; each step is paced by the slowest link it crosses) or
@@ -94,6 +100,9 @@ class TwoLevelLink:
     def __post_init__(self):
         if self.gpus_per_node < 1:
             raise ValueError(f"TwoLevelLink: gpus_per_node={self.gpus_per_node} must be >= 1")
+        if not 1 <= self.nics_per_node <= self.gpus_per_node:
+            raise ValueError(f"TwoLevelLink: nics_per_node={self.nics_per_node} must be in [1, gpus_per_node="
+                             f"{self.gpus_per_node}]")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"TwoLevelLink: algorithm={self.algorithm!r}; expected one of {ALGORITHMS}")
 
@@ -105,11 +114,15 @@ class TwoLevelLink:
             raise ValueError(
                 f"TwoLevelLink: world={world} is not a multiple of gpus_per_node={self.gpus_per_node}")
         nodes = world // self.gpus_per_node
+        nic_bw = self.inter.bandwidth_bytes_per_s * self.nics_per_node
         if self.algorithm == "ring":
-            slow_bw = min(self.intra.bandwidth_bytes_per_s, self.inter.bandwidth_bytes_per_s)
+            # each of nics_per_node channels carries 1/nics of every shard across its own NIC
+            slow_bw = min(self.intra.bandwidth_bytes_per_s, nic_bw)
             slow_lat = max(self.intra.latency_s, self.inter.latency_s)
             return _ring_time(steps=world - 1, bytes_per_step=bytes_per_rank, bandwidth=slow_bw, latency=slow_lat)
-        across = self.inter.allgather_time(bytes_per_rank=bytes_per_rank, world=nodes)
+        # all local ranks ring over the nodes at once, sharing the node's NICs
+        across = _ring_time(steps=nodes - 1, bytes_per_step=bytes_per_rank, latency=self.inter.latency_s,
+                            bandwidth=nic_bw / self.gpus_per_node)
         within = self.intra.allgather_time(bytes_per_rank=nodes * bytes_per_rank, world=self.gpus_per_node)
         return across + within
 
@@ -375,6 +388,8 @@ def measure_link(*, group=None, device="cpu", sizes: Sequence[int] = DEFAULT_LIN
     import torch
     import torch.distributed as dist
 
+    # torch 2.13 renamed all_gather_into_tensor to all_gather_single (same semantics)
+    gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     world = dist.get_world_size(group)
     if world == 1:
         return LinkModel(bandwidth_bytes_per_s=1e30, latency_s=0.0)
@@ -387,7 +402,7 @@ def measure_link(*, group=None, device="cpu", sizes: Sequence[int] = DEFAULT_LIN
             dist.barrier(group=group)
             _sync(device)
             t0 = time.perf_counter()
-            dist.all_gather_into_tensor(dst, src, group=group)
+            gather_into(dst, src, group=group)
             _sync(device)
             if i >= warmup:
                 best = min(best, time.perf_counter() - t0)

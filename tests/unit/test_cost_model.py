@@ -44,9 +44,15 @@ def test_two_level_link():
         == pytest.approx(intra.allgather_time(bytes_per_rank=b, world=4))
     # flat ring over 8 ranks: 7 steps paced by the inter link
     assert ring.allgather_time(bytes_per_rank=b, world=8) == pytest.approx(7 * (1e-5 + b / 10e9))
-    # hierarchical: 1 inter step of b, then 3 intra steps of 2b
-    assert hier.allgather_time(bytes_per_rank=b, world=8) == pytest.approx((1e-5 + b / 10e9) + 3 * (1e-6 + 2 * b / 100e9))
-    assert hier.allgather_time(bytes_per_rank=b, world=8) < ring.allgather_time(bytes_per_rank=b, world=8)
+    # hierarchical: 1 inter step of b with 4 local ranks sharing the one NIC, then 3 intra steps of 2b
+    assert hier.allgather_time(bytes_per_rank=b, world=8) == pytest.approx((1e-5 + 4 * b / 10e9) + 3 * (1e-6 + 2 * b / 100e9))
+    # one NIC per GPU: ring channels cross nodes in parallel; local ranks no longer share a port
+    ring4 = dataclasses.replace(ring, nics_per_node=4)
+    assert ring4.allgather_time(bytes_per_rank=b, world=8) == pytest.approx(7 * (1e-5 + b / 40e9))
+    hier4 = dataclasses.replace(hier, nics_per_node=4)
+    assert hier4.allgather_time(bytes_per_rank=b, world=8) == pytest.approx((1e-5 + b / 10e9) + 3 * (1e-6 + 2 * b / 100e9))
+    with pytest.raises(ValueError, match="nics_per_node=5"):
+        dataclasses.replace(ring, nics_per_node=5)
     with pytest.raises(ValueError, match="multiple of gpus_per_node"):
         ring.allgather_time(bytes_per_rank=b, world=6)
     with pytest.raises(ValueError, match="algorithm"):

@@ -1,0 +1,127 @@
+"""Project iteration time of raw vs CIERA gathers from a trace onto a cluster, 8..128 GPUs.
+
+    PYTHONPATH=. python tools/sim/simulate.py --trace tools/sim/traces/olmoe.json \
+        --cluster tools/sim/clusters/a100_paper.json --gpus 8 16 32 64 128 \
+        --out-md /tmp/sim.md --out-png /tmp/sim.png
+
+Several ``--trace`` files give one table each and one panel each in the PNG. Modes: ``raw`` (the
+baseline), every codec in the trace compressing every bucket, ``auto`` (per bucket,
+``ciera.cost_model.decide``), and ``auto+ovl`` (``auto`` with encode overlapped off the compute
+stream). See tools/sim/README.md for the timeline model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tools.sim.timeline import AUTO, IterationResult, modes_for, simulate_iteration  # noqa: E402
+from tools.sim.trace import Cluster, Trace, load_cluster, load_trace  # noqa: E402
+
+OVL = "auto+ovl"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One trace at one GPU count: every mode's simulated iteration."""
+
+    trace: str
+    gpus: int
+    results: dict  # mode -> IterationResult
+
+    def speedup(self, mode: str) -> float:
+        return self.results["raw"].iteration_s / self.results[mode].iteration_s
+
+
+def project(*, trace: Trace, cluster: Cluster, gpus: list[int], algorithm: str | None = None) -> list[Row]:
+    """Simulate every mode of ``trace`` at every GPU count on ``cluster``."""
+    link = cluster.link(algorithm=algorithm)
+    rows = []
+    for g in gpus:
+        res: dict[str, IterationResult] = {}
+        for mode in modes_for(trace):
+            res[mode] = simulate_iteration(trace=trace, world=g, link=link, mode=mode)
+        res[OVL] = simulate_iteration(trace=trace, world=g, link=link, mode=AUTO, overlap_encode=True)
+        rows.append(Row(trace.name, g, res))
+    return rows
+
+
+def markdown(rows: list[Row], *, title: str) -> str:
+    modes = list(rows[0].results)
+    head = ["GPUs", "raw ms"] + [f"{m} ms (x)" for m in modes[1:]] + ["auto: compressed buckets"]
+    lines = [f"**{title}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [str(r.gpus), f"{r.results['raw'].iteration_s * 1e3:.1f}"]
+        cells += [f"{r.results[m].iteration_s * 1e3:.1f} ({r.speedup(m):.2f}x)" for m in modes[1:]]
+        auto = r.results[AUTO].buckets
+        cells.append(f"{sum(b.choice != 'raw' for b in auto)}/{len(auto)}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(all_rows: list[list[Row]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(all_rows)
+    cols = min(3, n)
+    fig, axes = plt.subplots((n + cols - 1) // cols, cols, figsize=(4.2 * cols, 3.2 * ((n + cols - 1) // cols)),
+                             squeeze=False)
+    for ax, rows in zip(axes.flat, all_rows):
+        gpus = [r.gpus for r in rows]
+        for mode in list(rows[0].results)[1:]:
+            ax.plot(gpus, [r.speedup(mode) for r in rows], marker="o", label=mode)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(gpus, [str(g) for g in gpus])
+        ax.set_title(rows[0].trace, fontsize=10)
+        ax.set_xlabel("GPUs")
+        ax.set_ylabel("speedup vs raw all-gather")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trace", nargs="+", required=True, help="trace JSON file(s)")
+    ap.add_argument("--cluster", required=True, help="cluster JSON file")
+    ap.add_argument("--gpus", nargs="+", type=int, default=[8, 16, 32, 64, 128])
+    ap.add_argument("--algorithm", choices=["ring", "hierarchical"], default=None,
+                    help="override the cluster's all-gather algorithm")
+    ap.add_argument("--out-md", default=None)
+    ap.add_argument("--out-png", default=None)
+    args = ap.parse_args(argv)
+
+    cluster = load_cluster(args.cluster)
+    algo = args.algorithm or cluster.algorithm
+    all_rows, parts = [], []
+    for path in args.trace:
+        trace = load_trace(path)
+        rows = project(trace=trace, cluster=cluster, gpus=args.gpus, algorithm=args.algorithm)
+        all_rows.append(rows)
+        parts.append(markdown(rows, title=f"{trace.name} on {cluster.name} ({algo} all-gather)"))
+    text = "\n".join(parts)
+    print(text)
+    if args.out_md:
+        Path(args.out_md).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out_md).write_text(text)
+    if args.out_png:
+        plot(all_rows, args.out_png)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
