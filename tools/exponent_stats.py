@@ -524,8 +524,10 @@ def markdown_table(*, summary: dict[str, dict], types: dict[str, dict], rows: li
     return "\n".join(lines) + "\n"
 
 
-def write_plots(*, out_dir: Path, rows: list[dict], summary: dict[str, dict], note: str) -> list[Path]:
-    """change_rates.png, block_rates.png and codec_ratio.png in ``out_dir``; their paths."""
+def write_plots(*, out_dir: Path, rows: list[dict], summary: dict[str, dict], note: str, warmup: int) -> list[Path]:
+    """change_rates.png, block_rates.png and codec_ratio.png in ``out_dir``; their paths.
+
+    Time series mark the end of ``warmup`` with a dotted line when it falls inside the run."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -535,6 +537,7 @@ def write_plots(*, out_dir: Path, rows: list[dict], summary: dict[str, dict], no
     its = lambda t: [r["iteration"] for r in rows if t in r["types"]]  # noqa: E731
     series = lambda t, f: [f(r["types"][t]) for r in rows if t in r["types"]]  # noqa: E731
     style = lambda t: {"color": "black", "lw": 2} if t == ALL else {"lw": 1}  # noqa: E731
+    show_warmup = bool(rows) and rows[0]["prev_iteration"] < warmup <= rows[-1]["iteration"]
     paths = []
 
     fig, axes = plt.subplots(3, 1, figsize=(9, 10), sharex=True)
@@ -546,6 +549,8 @@ def write_plots(*, out_dir: Path, rows: list[dict], summary: dict[str, dict], no
             ax.plot(its(t), series(t, f), label=t, **style(t))
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
+        if show_warmup:
+            ax.axvline(warmup, color="grey", ls=":", lw=1)
     axes[0].set_yscale("symlog", linthresh=0.01)
     axes[0].legend(fontsize=8, ncol=4)
     axes[0].set_title(f"Change rates {note}")
@@ -581,6 +586,8 @@ def write_plots(*, out_dir: Path, rows: list[dict], summary: dict[str, dict], no
             ax.plot(its(t), series(t, lambda p: p["codec_ratio"].get(c, float("nan"))), label=t, **style(t))
         ax.set_ylabel(f"{c}: raw / wire")
         ax.grid(alpha=0.3)
+        if show_warmup:
+            ax.axvline(warmup, color="grey", ls=":", lw=1)
     axes[0, 0].legend(fontsize=8, ncol=4)
     axes[0, 0].set_title("Codec wire ratio per snapshot" + ("" if codecs else " (no codec run)"))
     axes[-1, 0].set_xlabel("iteration")
@@ -601,7 +608,7 @@ def write_outputs(*, out_dir: Path, result: dict, summary: dict, table: str, met
                               "iterations": result["iterations"], "skipped": result["skipped"]}),
                              indent=1, allow_nan=False))
     return [md, js, *write_plots(out_dir=out_dir, rows=result["iterations"], summary=summary,
-                                 note=interval_note(rows=result["iterations"]))]
+                                 note=interval_note(rows=result["iterations"]), warmup=meta["warmup"])]
 
 
 def _finite(x):
