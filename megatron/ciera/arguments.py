@@ -132,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--ckpt-step", type=int, default=None, help="with --load: this iteration instead of the latest")
     g.add_argument("--exit-interval", type=int, default=None, help="stop (after saving) at an iteration multiple of this")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--tensorboard-dir", default=None)

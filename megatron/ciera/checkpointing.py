@@ -94,19 +94,21 @@ def latest_iteration(root: str) -> int | None:
 
 
 @torch.no_grad()
-def load(root: str, model, optimizer, scheduler, layout: dict) -> int:
-    """Restore the latest checkpoint under ``root``; returns its iteration (0 when none)."""
-    iteration = latest_iteration(root)
+def load(root: str, model, optimizer, scheduler, layout: dict, iteration: int | None = None) -> int:
+    """Restore checkpoint ``iteration`` (default: the latest) under ``root``; returns its
+    iteration (0 when there is none)."""
+    iteration = latest_iteration(root) if iteration is None else iteration
     if iteration is None:
         return 0
     state = torch.load(_rank_file(root, iteration, dist.get_rank()), map_location="cpu", weights_only=False)
     if state["layout"] != layout:
         raise SystemExit(f"checkpoint {root} iteration {iteration} was written with layout {state['layout']}, "
                          f"this run has {layout}: resume needs the same world size and parallel sizes")
-    missing, unexpected = model.load_state_dict(state["model"], strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise SystemExit(f"checkpoint model state does not match: missing {missing}, unexpected {unexpected}")
+    expected = {k for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    if expected != set(state["model"]):
+        raise SystemExit(f"checkpoint model state does not match: missing {sorted(expected - set(state['model']))}, "
+                         f"unexpected {sorted(set(state['model']) - expected)}")
+    model.load_state_dict(state["model"], strict=False)
     for opt, saved in zip(_dist_optimizers(optimizer), state["optimizer"], strict=True):
         for groups, saved_groups in ((getattr(opt, "shard_fp32_from_float16_groups", []), saved["main"]),
                                      (getattr(opt, "shard_fp32_groups", []), saved["fp32"])):

@@ -325,7 +325,7 @@ def train(args) -> str:
               "dp": args.data_parallel_size, "params_dtype": args.params_dtype}
     start_iter = 0
     if args.load:
-        start_iter = checkpointing.load(args.load, model, optimizer, scheduler, layout)
+        start_iter = checkpointing.load(args.load, model, optimizer, scheduler, layout, args.ckpt_step)
         if start_iter:
             ciera_binding.invalidate_param_caches([model])
             _print0(f"loaded checkpoint {args.load} at iteration {start_iter}")

@@ -1,0 +1,189 @@
+"""megatron.ciera.bucket_group without processes: the dispatch on Megatron-Core's real bucket group
+class (0.16.x shape), a 0.19.x-shaped variant, fallbacks, invalidation and uninstall."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron.ciera import bucket_group as binding
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucket, _ParamAndGradBucketGroup
+
+
+class FakeGroup:
+    def __init__(self, rank=0, size=2):
+        self._rank, self._size = rank, size
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return self._size
+
+
+class FakeGather:
+    """Records calls; wait() 'completes' by marking the buffer's non-local shard."""
+
+    log = []
+
+    def __init__(self, buffer, *, group, config, name):
+        self.buffer, self.group, self.config, self.name = buffer, group, config, name
+        self.invalidations = 0
+        FakeGather.log.append(("init", name))
+
+    def start(self):
+        FakeGather.log.append(("start", self.name))
+        gather = self
+
+        class Handle:
+            def wait(self_inner):
+                FakeGather.log.append(("wait", gather.name))
+                gather.buffer[gather.buffer.numel() // 2:] = 7
+
+        return Handle()
+
+    def invalidate(self):
+        self.invalidations += 1
+
+    @property
+    def stats(self):
+        return SimpleNamespace(raw_bytes=4, wire_bytes=2, gathers=1, raw_gathers=0, overflows=0, codec="fake")
+
+
+def make_group(overlap=False, n_buckets=2, dtype=torch.bfloat16, cls=_ParamAndGradBucketGroup, **ddp_kw):
+    cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=overlap,
+                                        overlap_param_gather=overlap, **ddp_kw)
+    buckets = [_ParamAndGradBucket(params=[], param_data=torch.zeros(8, dtype=dtype), grad_data=torch.zeros(8),
+                                   offset=8 * i, numel_unpadded=8, gradient_scaling_factor=1.0, bucket_id=i)
+               for i in range(n_buckets)]
+    return cls(buckets, cfg, FakeGroup(), 2)
+
+
+class Group019(_ParamAndGradBucketGroup):
+    """0.19.x adds _post_param_sync, run by start_param_sync at the end of a forced sync."""
+
+    def _post_param_sync(self):
+        self.post_syncs = getattr(self, "post_syncs", 0) + 1
+
+
+def fake_ddp(*groups, expert=()):
+    return SimpleNamespace(bucket_groups=list(groups), expert_parallel_bucket_groups=list(expert))
+
+
+@pytest.fixture(autouse=True)
+def clear_log():
+    FakeGather.log = []
+
+
+def test_upstream_post_sync_isolates_the_version_difference():
+    assert binding.upstream_post_sync(make_group()) is None  # 0.16.x
+    group = make_group(cls=Group019)
+    binding.upstream_post_sync(group)()
+    assert group.post_syncs == 1
+
+
+def test_synchronous_gather_starts_and_waits_every_bucket():
+    group = make_group()
+    ddp = fake_ddp(group)
+    assert binding.install([ddp], config="cfg", make_gather=FakeGather) == 1
+    assert FakeGather.log == []  # gathers are built lazily, at the first gather
+    group.start_param_sync()
+    assert FakeGather.log == [("init", "dense0.bucket0"), ("init", "dense0.bucket1"),
+                              ("start", "dense0.bucket0"), ("start", "dense0.bucket1"),
+                              ("wait", "dense0.bucket0"), ("wait", "dense0.bucket1")]
+    assert group.param_gather_handle is None and group.param_gather_dispatched
+    assert all(torch.equal(b.param_data[4:], torch.full((4,), 7, dtype=torch.bfloat16)) for b in group.buckets)
+    group.start_param_sync()  # second gather reuses the gathers
+    assert [e for e in FakeGather.log if e[0] == "init"] == [("init", "dense0.bucket0"), ("init", "dense0.bucket1")]
+
+
+@pytest.mark.parametrize("cls", [_ParamAndGradBucketGroup, Group019], ids=["0.16", "0.19-shaped"])
+def test_overlapped_gather_is_waited_by_upstream_finish_param_sync(cls):
+    first, second = make_group(overlap=True, n_buckets=1, cls=cls), make_group(overlap=True, n_buckets=1, cls=cls)
+    first.next_param_gather_bucket_group = second
+    binding.install([fake_ddp(first, expert=[second])], config="cfg", make_gather=FakeGather)
+    first.finish_param_sync()  # forward pre-hook: dispatch, wait, prefetch the next group
+    assert FakeGather.log[:3] == [("init", "dense0.bucket0"), ("start", "dense0.bucket0"), ("wait", "dense0.bucket0")]
+    assert FakeGather.log[-1] == ("start", "expert0.bucket0")
+    assert second.param_gather_handle is not None
+    second.start_param_sync(force_sync=True)  # e.g. disable_forward_pre_hook: finish the one in flight
+    assert FakeGather.log[-1] == ("wait", "expert0.bucket0") and second.param_gather_handle is None
+    assert getattr(second, "post_syncs", 0) == (1 if cls is Group019 else 0)
+
+
+def test_forced_sync_without_gather_in_flight_gathers_synchronously():
+    group = make_group(overlap=True, n_buckets=1, cls=Group019)
+    binding.install([fake_ddp(group)], config="cfg", make_gather=FakeGather)
+    group.start_param_sync(force_sync=True)
+    assert [e[0] for e in FakeGather.log] == ["init", "start", "wait"]
+    assert group.param_gather_handle is None and group.param_gather_dispatched and group.post_syncs == 1
+
+
+def test_second_gather_while_one_is_in_flight_is_refused():
+    group = make_group(overlap=True)
+    binding.install([fake_ddp(group)], config="cfg", make_gather=FakeGather)
+    group.start_param_sync()
+    with pytest.raises(AssertionError):
+        group.start_param_sync()
+
+
+def test_invalidate_stats_and_uninstall():
+    group = make_group()
+    ddp = fake_ddp(group)
+    binding.install([ddp], config="cfg", make_gather=FakeGather)
+    binding.invalidate_param_caches([ddp])  # before the first gather: nothing to invalidate
+    group.start_param_sync()
+    binding.invalidate_param_caches([ddp])
+    assert [g.invalidations for g in group._ciera.gathers] == [1, 1]
+    assert [name for name, _ in binding.bucket_stats([ddp])] == ["dense0.bucket0", "dense0.bucket1"]
+    binding.uninstall([ddp])
+    assert "start_param_sync" not in vars(group) and not hasattr(group, "_ciera")
+    assert binding.bucket_stats([ddp]) == []
+    with pytest.raises(RuntimeError):
+        binding.install([ddp], config="cfg", make_gather=FakeGather) and binding.install([ddp], config="cfg", make_gather=FakeGather)
+
+
+@pytest.mark.parametrize("make, reason", [
+    (lambda: make_group(fp8_param_gather=True), "ddp_config.fp8_param_gather"),
+    (lambda: make_group(dtype=torch.uint8), "dtype torch.uint8"),
+    (lambda: _shared_buffers(make_group()), "shared with the gradient buffer"),
+    (lambda: _single_rank(make_group()), "single-rank gather group"),
+    (lambda: _no_distopt(make_group()), "layer-wise"),
+])
+def test_unsupported_modes_keep_upstream_gather_with_one_log_line(make, reason):
+    group, lines = make(), []
+    ok = make_group()
+    assert binding.install([fake_ddp(ok, group)], config="cfg", make_gather=FakeGather, log=lines.append) == 1
+    assert len(lines) == 1 and reason in lines[0] and "dense1" in lines[0]
+    assert "start_param_sync" not in vars(group)
+
+
+def test_precision_aware_optimizer_falls_back():
+    group, lines = make_group(), []
+    opt = SimpleNamespace(use_precision_aware_optimizer=True)
+    assert binding.install([fake_ddp(group)], config="cfg", optimizer_config=opt, make_gather=FakeGather, log=lines.append) == 0
+    assert "use_precision_aware_optimizer" in lines[0]
+
+
+def test_fields_missing_in_older_versions_read_as_off():
+    group = SimpleNamespace(ddp_config=SimpleNamespace(use_distributed_optimizer=True),
+                            intra_distributed_optimizer_instance_size=2,
+                            buckets=[SimpleNamespace(param_data=torch.zeros(4, dtype=torch.float16))])
+    assert binding.fallback_reason(group) is None
+
+
+def _shared_buffers(group):
+    for b in group.buckets:
+        b.grad_data = b.param_data
+    return group
+
+
+def _single_rank(group):
+    group.intra_distributed_optimizer_instance_size = 1
+    return group
+
+
+def _no_distopt(group):
+    group.ddp_config.use_distributed_optimizer = False
+    return group
