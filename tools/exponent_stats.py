@@ -159,10 +159,9 @@ class TypeCounts:
         fmt = float_format(cur.dtype)
         u_prev = to_unsigned(as_bits(prev.contiguous().view(-1)))
         u_cur = to_unsigned(as_bits(cur.contiguous().view(-1)))
-        exp_prev, _ = split_fields(fmt, u_prev)
-        exp_cur, _ = split_fields(fmt, u_cur)
         xor = u_prev ^ u_cur
-        exp_diff = exp_prev != exp_cur
+        exp_xor, _ = split_fields(fmt, xor)  # field extraction commutes with XOR
+        exp_diff = exp_xor != 0
         self.values += xor.numel()
         self.exp_changed += int(exp_diff.sum())
         self.value_changed += int((xor != 0).sum())
