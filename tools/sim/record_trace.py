@@ -239,20 +239,20 @@ def validate(*, trace: dict, cluster: dict, rec: dict, world: int) -> list[dict]
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", nargs="+", type=int, default=[2, 4])
-    ap.add_argument("--buckets", nargs="+", type=int, default=[1 << 17, 1 << 19, 1 << 18, 1 << 19],
+    ap.add_argument("--buckets", nargs="+", type=int, default=[1 << 20, 1 << 22, 1 << 21, 1 << 22],
                     help="values per bucket (bf16), divisible by every world size")
     ap.add_argument("--compute-ms", nargs="+", type=float, default=None,
-                    help="synthetic forward compute per bucket (default 4 ms each)")
+                    help="synthetic forward compute per bucket (default 10 ms each)")
     ap.add_argument("--codecs", nargs="*", default=["exponent_reuse"],
                     help="codecs to run with selection='always' (the delta reference encoder is slow on CPU)")
-    ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--pre-steps", type=int, default=5)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--out-dir", default=None, help="write trace_w<N>.json, cluster_w<N>.json, validation.json")
     ap.add_argument("--timeout-s", type=float, default=600)
     args = ap.parse_args(argv)
-    compute_ms = args.compute_ms or [4.0] * len(args.buckets)
+    compute_ms = args.compute_ms or [10.0] * len(args.buckets)
     if len(compute_ms) != len(args.buckets):
         ap.error(f"--compute-ms has {len(compute_ms)} values for {len(args.buckets)} buckets")
     cfg = dict(buckets=args.buckets, compute_ms=compute_ms, codecs=args.codecs, iters=args.iters,
