@@ -156,9 +156,10 @@ def exponent_of(fmt: FloatFormat, u: torch.Tensor) -> torch.Tensor:
     return (u >> fmt.mant_bits) & ((1 << fmt.exp_bits) - 1)
 
 
-def bit_length(z: torch.Tensor) -> torch.Tensor:
-    """Bits needed by non-negative integers below 2^32 (0 for 0), int64."""
-    return torch.frexp(z.to(torch.float64))[1].to(torch.int64)  # exact: integers below 2^53
+def bit_length(z: torch.Tensor, width: int) -> torch.Tensor:
+    """Bits needed by integers in [0, 2^width) (0 for 0), int64. ``frexp`` is exact on integers
+    the float type holds exactly: float32 below 2^24, float64 below 2^53."""
+    return torch.frexp(z.to(torch.float32 if width <= 24 else torch.float64))[1].to(torch.int64)
 
 
 def choose_table(layout: DeltaLayout, hist: torch.Tensor) -> torch.Tensor:
@@ -202,7 +203,7 @@ def plan_blocks(layout: DeltaLayout, group_bits: torch.Tensor, count: torch.Tens
     seg = torch.cat([group_bytes, exc_bytes[:, None]], 1)  # [nb, NG + 1] in payload order
     ends = layout.off_data + torch.cumsum(seg.reshape(-1), 0).view(seg.shape)
     starts = ends - seg
-    return BlockPlan(raw, count, starts[:, :-1], starts[:, -1], ends[:, -1],
+    return BlockPlan(raw, count, starts[:, :-1].contiguous(), starts[:, -1].contiguous(), ends[:, -1].contiguous(),
                      ends[-1, -1] if seg.numel() else torch.tensor(layout.off_data, device=seg.device))
 
 
@@ -262,11 +263,13 @@ def encode_reference(*, layout: DeltaLayout, shard_bits: torch.Tensor, state: to
     z = _grouped(layout, zigzag(fmt, u_new, u_old))
     e_prev = _grouped(layout, exponent_of(fmt, u_old))
     valid = _grouped(layout, torch.ones(n, dtype=torch.int64, device=dev)).bool()
-    bitlen = bit_length(z)
+    bitlen = bit_length(z, W)
 
-    hist = torch.zeros(layout.n_classes * (W + 1), dtype=torch.int64, device=dev)
-    hist.index_add_(0, (e_prev * (W + 1) + bitlen)[valid], torch.ones(n, dtype=torch.int64, device=dev))
-    table = choose_table(layout, hist)
+    # Padding goes to one extra bin past the classes.
+    key = torch.where(valid, e_prev * (W + 1) + bitlen, layout.n_classes * (W + 1))
+    hist = torch.zeros(layout.n_classes * (W + 1) + 1, dtype=torch.int64, device=dev)
+    hist.index_add_(0, key.view(-1), torch.ones(key.numel(), dtype=torch.int64, device=dev))
+    table = choose_table(layout, hist[:-1])
     w = _value_widths(layout, table, e_prev, valid, None)
     exc = bitlen > w
     plan = plan_blocks(layout, w.sum(-1), exc.sum((1, 2)), None)
@@ -289,8 +292,7 @@ def encode_reference(*, layout: DeltaLayout, shard_bits: torch.Tensor, state: to
     low = (z & ((1 << w) - 1)) << (bitpos & 7)
     at = (bitpos >> 3) - layout.off_data
     staging = torch.zeros(fit_end - layout.off_data + 8, dtype=torch.int64, device=dev)
-    live = w > 0
-    at, low = at[live], low[live]
+    at, low = at.view(-1), low.view(-1)  # zero-width values add zeros inside the staging slack
     for t in range(W // 8 + 1):  # W + 7 bits span W/8 + 1 bytes
         staging.index_add_(0, at + t, (low >> (8 * t)) & 0xFF)
     out[layout.off_data : fit_end] = staging[: fit_end - layout.off_data].to(torch.uint8)
