@@ -302,16 +302,21 @@ def iter_documents(*, paths: Sequence[str], options: ReaderOptions) -> Iterator[
 # Writing
 # --------------------------------------------------------------------------------------------
 
-_worker_tokenizer = None
+_worker_tokenizers: dict = {}
 
 
-def _init_worker(kind: str, tokenizer_file: str | None, eod_token: str | None) -> None:
-    global _worker_tokenizer
-    _worker_tokenizer = build_tokenizer(kind=kind, tokenizer_file=tokenizer_file, eod_token=eod_token)
+def _encode_in_worker(job: tuple[tuple[str, str | None, str | None], str]) -> numpy.ndarray:
+    """Encode one text in a worker process, building (once) the tokenizer that ``job`` names.
 
-
-def _encode_in_worker(text: str) -> numpy.ndarray:
-    return _worker_tokenizer.encode(text)
+    The tokenizer is built lazily rather than in a Pool initializer: an initializer that raises
+    makes the pool respawn workers forever, while an error here reaches the parent."""
+    spec, text = job
+    tokenizer = _worker_tokenizers.get(spec)
+    if tokenizer is None:
+        kind, tokenizer_file, eod_token = spec
+        tokenizer = build_tokenizer(kind=kind, tokenizer_file=tokenizer_file, eod_token=eod_token)
+        _worker_tokenizers[spec] = tokenizer
+    return tokenizer.encode(text)
 
 
 @dataclass
@@ -376,11 +381,15 @@ def preprocess(
 
         nonempty = nonempty_documents()
         if workers > 1:
-            pool = multiprocessing.get_context("spawn").Pool(
-                workers, initializer=_init_worker, initargs=(tokenizer_kind, tokenizer_file, eod_token)
-            )
+            # Spawned workers import this file by module name: keep its folder on their sys.path.
+            tool_dir = os.path.dirname(os.path.abspath(__file__))
+            if tool_dir not in sys.path:
+                sys.path.append(tool_dir)
+            pool = multiprocessing.get_context("spawn").Pool(workers)
+            spec = (tokenizer_kind, tokenizer_file, eod_token)
             encoded: Iterable[tuple[str, numpy.ndarray]] = _zip_encoded(
-                texts=nonempty, encode=lambda texts: pool.imap(_encode_in_worker, texts, chunksize=64)
+                texts=nonempty,
+                encode=lambda texts: pool.imap(_encode_in_worker, ((spec, t) for t in texts), chunksize=64),
             )
         else:
             encoded = ((text, tokenizer.encode(text)) for text in nonempty)
