@@ -1,6 +1,5 @@
 """tools/sim: hand-computed timelines, schema validation, monotonicity, shipped inputs, the CLIs."""
 
-import dataclasses
 import json
 from pathlib import Path
 

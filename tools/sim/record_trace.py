@@ -33,7 +33,6 @@ with ``overlap_comm=False`` (one serial stream), which is the one that describes
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
