@@ -124,37 +124,84 @@ class CieraAllGather:
         self._encode_timer = SectionTimer(buffer.device)
         self._decode_timer = SectionTimer(buffer.device)
         self._started = 0
+        self._prepared: tuple[str, int, object] | None = None  # (mode, capacity, cuda event)
+        self._side_stream = None
         self.selector = Selector(self, link=link) if self._codecs and config.selection == "auto" else None
 
     # -- public API ------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Encode this rank's shard now, ahead of :meth:`start`.
+
+        Call once the shard holds its new values (right after the optimizer step). On CUDA the
+        encode runs on a side stream, overlapping whatever the caller queues next; ``start()``
+        then only launches the collective. Optional: ``start()`` prepares when this was not called.
+        """
+        if self._prepared is not None:
+            return
+        if self._pending is not None and not self._pending._done:
+            raise RuntimeError(f"{self.name}: a new gather was prepared while the previous one is not waited on")
+        if self.world == 1:
+            self._prepared = ("raw", 0, None)
+            return
+        try:
+            mode = self._choose_mode()
+            self._started += 1
+            event = None
+            if mode == "raw":
+                self._prepare_state_after_raw()
+            else:
+                send, _ = self._payload_buffers(self._capacity)
+                event = self._encode(mode, send)
+            self._prepared = (mode, self._capacity if mode != "raw" else 0, event)
+        except BaseException:
+            self.invalidate()
+            raise
+
     def start(self) -> GatherHandle | _DoneHandle:
-        """Encode this rank's shard and launch the collective. Returns a handle; call ``wait()``
-        on it before reading the other shards or starting the next gather."""
+        """Encode this rank's shard (unless :meth:`prepare` did) and launch the collective.
+        Returns a handle; call ``wait()`` on it before reading the other shards or starting the
+        next gather."""
         if self._pending is not None and not self._pending._done:
             raise RuntimeError(f"{self.name}: start() called while the previous gather is not waited on")
+        self.prepare()
+        mode, capacity, event = self._prepared
+        self._prepared = None
         if self.world == 1:
             self._account(raw=True, wire=self.buffer.numel() * self.buffer.element_size())
             return _DoneHandle()
         try:
-            mode = self._choose_mode()
-            self._started += 1
             launched = time.perf_counter()
+            if event is not None:
+                torch.cuda.current_stream(self.buffer.device).wait_event(event)
             if mode == "raw":
-                self._prepare_state_after_raw()
                 work = _all_gather_into(self.buffer, self._shard, group=self.group, async_op=True)
-                capacity = 0
             else:
-                capacity = self._capacity
                 send, recv = self._payload_buffers(capacity)
-                token = self._encode_timer.start()
-                self._codecs[mode].encode(shard=self._shard, state=self._state, out=send)
-                self._encode_timer.stop(token)
                 work = _all_gather_into(recv, send, group=self.group, async_op=True)
         except BaseException:
             self.invalidate()
             raise
         self._pending = GatherHandle(self, work, mode, capacity, launched)
         return self._pending
+
+    def _encode(self, mode: str, send: torch.Tensor):
+        """Encode the shard into ``send``; on CUDA on the side stream, returning its done event."""
+        codec = self._codecs[mode]
+        if not self.buffer.is_cuda:
+            token = self._encode_timer.start()
+            codec.encode(shard=self._shard, state=self._state, out=send)
+            self._encode_timer.stop(token)
+            return None
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device=self.buffer.device)
+        self._side_stream.wait_stream(torch.cuda.current_stream(self.buffer.device))
+        with torch.cuda.stream(self._side_stream):
+            token = self._encode_timer.start()
+            codec.encode(shard=self._shard, state=self._state, out=send)
+            self._encode_timer.stop(token)
+            event = torch.cuda.Event()
+            event.record(self._side_stream)
+        return event
 
     def invalidate(self) -> None:
         """Forget all cached state: the next ``config.warmup_gathers`` gathers are sent raw.
@@ -164,6 +211,7 @@ class CieraAllGather:
         every rank of the group (all ranks must take the same path)."""
         self._raw_left = max(self._raw_left, self.config.warmup_gathers)
         self._state = None
+        self._prepared = None  # a payload encoded before the write would be stale
 
     @property
     def stats(self) -> GatherStats:

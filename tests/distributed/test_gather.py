@@ -30,6 +30,8 @@ def _trajectory_worker(rank, world, codec, dtype, steps, shard, adversarial, lr)
             # Ranks stress their shards differently: one rank may overflow while the others do not.
             x = adversarial_step(x, kind=kinds[(step // 10 + rank) % len(kinds)], gen=gen, fraction=0.2)
         buf.view(world, -1)[rank].copy_(x)
+        if step % 3 == 1:
+            gather.prepare()  # encode ahead, as the binding does right after the optimizer step
         gather.start().wait()
         dist.all_gather_into_tensor(ref, x)
         if not torch.equal(as_bits(buf), as_bits(ref)):
@@ -49,14 +51,18 @@ def _check(stats, steps, adversarial):
         assert stats[0].overflows >= 1, "adversarial run never exercised the overflow fallback"
 
 
-@pytest.mark.parametrize("codec", CODECS)
+def _many_trajectories_worker(rank, world, cases, steps, shard):
+    """Several trajectories in one process group (spawning is the expensive part of these tests)."""
+    return [_trajectory_worker(rank, world, codec, torch.bfloat16, steps, shard, adv, 1e-4) for codec, adv in cases]
+
+
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("adversarial", [False, True])
-def test_trajectory_small(codec, world, adversarial):
+def test_trajectory_small(world):
+    cases = [(codec, adv) for codec in CODECS for adv in (False, True)]
     steps = 40
-    stats = run_on_ranks(_trajectory_worker, world=world,
-                         args=(codec, torch.bfloat16, steps, 1031, adversarial, 1e-4))
-    _check(stats, steps, adversarial)
+    results = run_on_ranks(_many_trajectories_worker, world=world, args=(cases, steps, 1031))
+    for i, (_, adv) in enumerate(cases):
+        _check([r[i] for r in results], steps, adv)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -76,7 +82,11 @@ def test_trajectory_300_gathers(codec, world, adversarial):
     _check(stats, steps, adversarial)
 
 
-def _bad_input_worker(rank, world, case):
+def _bad_input_worker(rank, world, cases):
+    return [_one_bad_input(rank, case) for case in cases]
+
+
+def _one_bad_input(rank, case):
     try:
         if case == "dtype":
             CieraAllGather(torch.zeros(8, dtype=torch.float64))
@@ -93,16 +103,20 @@ def _bad_input_worker(rank, world, case):
     return None
 
 
-@pytest.mark.parametrize("case,match", [
-    ("dtype", "CIERA gathers"),
-    ("divisible", "not divisible by the group size 2"),
-    ("config", "ranks disagree on config"),
-    ("size", "ranks disagree on numel"),
-    ("dtype_mismatch", "ranks disagree on dtype"),
-])
-def test_bad_input_is_a_clear_error(case, match):
-    errors = run_on_ranks(_bad_input_worker, world=2, args=(case,))
-    assert all(e is not None and match in e for e in errors), errors
+BAD_INPUTS = {
+    "dtype": "CIERA gathers",
+    "divisible": "not divisible by the group size 2",
+    "config": "ranks disagree on config",
+    "size": "ranks disagree on numel",
+    "dtype_mismatch": "ranks disagree on dtype",
+}
+
+
+def test_bad_input_is_a_clear_error():
+    results = run_on_ranks(_bad_input_worker, world=2, args=(list(BAD_INPUTS),))
+    for rank_errors in results:
+        for (case, match), err in zip(BAD_INPUTS.items(), rank_errors):
+            assert err is not None and match in err, (case, err)
 
 
 def _stale_cache_worker(rank, world, invalidate):
@@ -118,9 +132,10 @@ def _stale_cache_worker(rank, world, invalidate):
     if rank == 1:
         loaded[:64] += 1
     buf.copy_(loaded)
+    buf.view(world, -1)[rank].copy_(traj.step())
+    gather.prepare()  # a payload prepared before the invalidation must not be sent
     if invalidate:
         gather.invalidate()
-    buf.view(world, -1)[rank].copy_(traj.step())
     try:
         gather.start().wait()
     except CieraVerifyError as e:
