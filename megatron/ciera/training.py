@@ -23,6 +23,7 @@ import os
 import random
 import sys
 import time
+import warnings
 from contextlib import nullcontext
 
 import numpy as np
@@ -296,18 +297,20 @@ def _save_snapshot(model, args, iteration):
         torch.save(snap, os.path.join(args.ciera_snapshot_dir, f"iter_{iteration:07d}.pt"))
 
 
-def _tensorboard(args):
-    if args.tensorboard_dir is None or dist.get_rank() != 0:
+def _tensorboard_writer_class(args):
+    """Checked on every rank before anything starts, so that a missing package fails everywhere."""
+    if args.tensorboard_dir is None:
         return None
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise SystemExit("--tensorboard-dir needs the 'tensorboard' package (pip install tensorboard)") from None
-    return SummaryWriter(log_dir=args.tensorboard_dir)
+    return SummaryWriter
 
 
 def train(args) -> str:
     """Run the whole job; returns the final params sha256 (printed by rank 0)."""
+    writer_class = _tensorboard_writer_class(args)
     initialize(args)
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -336,7 +339,7 @@ def train(args) -> str:
     forward_backward = get_forward_backward_func()
     dp_group = parallel_state.get_data_parallel_group()
     ep_group = parallel_state.get_expert_model_parallel_group()
-    writer = _tensorboard(args)
+    writer = writer_class(log_dir=args.tensorboard_dir) if writer_class and dist.get_rank() == 0 else None
     loss_log = open(args.ciera_loss_log, "a" if start_iter else "w") if args.ciera_loss_log and dist.get_rank() == 0 else None
 
     skipped = nan_iters = 0
@@ -423,6 +426,8 @@ def train(args) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # torch.distributed's deprecation notices for the collectives Megatron-Core calls, once per call.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     args = parse_args(argv)
     try:
         train(args)

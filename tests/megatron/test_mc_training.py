@@ -4,8 +4,11 @@ Every comparison is exact: per-iteration losses (float.hex) and the final params
 Runs are shared between tests of this module (each costs ~10-30 s on 2 cores)."""
 
 import functools
+import os
+import tempfile
 
 import pytest
+import torch
 
 from megatron.ciera.launch import run_pretrain
 
@@ -23,6 +26,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", 
 OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "20000"]
 CIERA = ["--ciera-allgather", "--ciera-warmup-iters", "2"]
 ITERS = 6
+SNAPSHOTS = tempfile.mkdtemp(prefix="ciera-snapshots-")
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,8 +44,12 @@ def assert_identical(a, b):
 
 
 def test_sync_gather_is_bit_identical():
-    base, ciera = run(), run(*CIERA)
+    base, ciera = run(), run(*CIERA, "--ciera-snapshot-dir", SNAPSHOTS, "--ciera-snapshot-interval", "3")
     assert_identical(base, ciera)
+    assert sorted(os.listdir(SNAPSHOTS)) == ["iter_0000003.pt", "iter_0000006.pt"]
+    snapshot = torch.load(os.path.join(SNAPSHOTS, "iter_0000006.pt"))
+    assert "embedding.word_embeddings.weight" in snapshot
+    assert all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in snapshot.values())
     lines = ciera.iteration_lines()
     assert len(lines) == ITERS // 2 and all("ciera raw/wire:" in line for line in lines)
     assert "lm loss:" in lines[0] and "grad norm:" in lines[0] and "ciera raw/wire" not in base.output
