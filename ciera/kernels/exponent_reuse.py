@@ -53,7 +53,9 @@ def _tile_shape(block_size: int, tile_values: int) -> tuple[int, int]:
     if tile_values < 8 or tile_values & (tile_values - 1):
         raise ValueError(f"tile_values={tile_values} must be a power of two >= 8")
     tb = max(8, tile_values // block_size)
-    bc = min(block_size, tile_values // tb)
+    # BC == B, or BC a multiple of 8: groups of 8 consecutive values (one plane byte) never
+    # straddle two chunks.
+    bc = min(block_size, max(8, tile_values // tb))
     return tb, bc
 
 
