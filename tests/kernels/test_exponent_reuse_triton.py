@@ -1,4 +1,5 @@
-"""The Triton twins of exponent reuse against the pure-torch reference, on CPU under the interpreter.
+"""The Triton twins of exponent reuse against the pure-torch reference: on CUDA when there is one,
+else on CPU under the Triton interpreter.
 
 Every check is exact: payload bytes (every section, and nothing outside them: both encoders start
 from the same garbage-filled buffer), the updated sender state, the needed bytes, and the decoded
