@@ -30,7 +30,7 @@ import torch
 
 from .base import HEADER_BYTES, Codec, PayloadHeader, align_up, write_header
 from .bitpack import pack_bits, unpack_bits
-from .formats import FloatFormat, as_bits, from_unsigned, to_unsigned
+from .formats import FloatFormat, as_bits
 from .registry import register_codec
 
 
@@ -87,19 +87,22 @@ def split_fields(fmt: FloatFormat, u: torch.Tensor) -> tuple[torch.Tensor, torch
     return exp, sm
 
 
-def join_fields(fmt: FloatFormat, exp: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`split_fields`."""
-    sign = sm >> fmt.mant_bits
-    return (sign << (fmt.total_bits - 1)) | (exp << fmt.mant_bits) | (sm & ((1 << fmt.mant_bits) - 1))
+def _native_fields(fmt: FloatFormat, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exponent as uint8, sign|mantissa) straight from signed bit patterns, in their own width.
+
+    Only bitwise operations and masked arithmetic shifts: no widening copies, no overflow."""
+    m = fmt.mant_bits
+    exp8 = ((bits >> m) & ((1 << fmt.exp_bits) - 1)).to(torch.uint8)
+    sm = (bits & ((1 << m) - 1)) | ((bits < 0).to(bits.dtype) << m)
+    return exp8, sm
 
 
 def encode_reference(*, layout: ExponentReuseLayout, shard_bits: torch.Tensor, state: torch.Tensor,
                      out: torch.Tensor) -> torch.Tensor:
     """Pure-torch encoder. Writes every section of ``out`` but the header, updates ``state``
     (previous exponents, uint8) and returns the bytes needed as a 0-d int64 tensor."""
-    fmt, n, B = layout.fmt, layout.numel, layout.block_size
-    u = to_unsigned(shard_bits)
-    exp, sm = split_fields(fmt, u)
+    fmt, n, B, nb = layout.fmt, layout.numel, layout.block_size, layout.n_blocks
+    exp8, sm = _native_fields(fmt, shard_bits)
     if layout.sm_bytes:
         dst = out[layout.off_signmant : layout.off_signmant + n * layout.sm_bytes].view(n, layout.sm_bytes)
         for k in range(layout.sm_bytes):
@@ -108,46 +111,52 @@ def encode_reference(*, layout: ExponentReuseLayout, shard_bits: torch.Tensor, s
         off = layout.off_planes + p * layout.plane_bytes
         out[off : off + layout.plane_bytes] = pack_bits((sm >> (8 * layout.sm_bytes + p)) & 1)
 
-    exp8 = exp.to(torch.uint8)
-    nb = layout.n_blocks
-    padded = torch.zeros(nb * B, dtype=torch.bool, device=u.device)
-    padded[:n] = exp8 != state
-    changed = padded.view(nb, B).any(1)
+    diff = exp8 != state
+    if n % B:
+        diff = torch.cat([diff, diff.new_zeros(nb * B - n)])
+    changed = diff.view(nb, B).any(1)
     out[layout.off_bitmap : layout.off_bitmap + -(-nb // 8)] = pack_bits(changed)
 
     idx = torch.nonzero(changed).squeeze(1)
-    k = layout.slots(out.numel())
-    if idx.numel():
-        blocks = torch.zeros(nb * B, dtype=torch.uint8, device=u.device)
-        blocks[:n] = exp8
-        take = idx[:k]
+    take = idx[: layout.slots(out.numel())]
+    if take.numel():
+        blocks = exp8 if n % B == 0 else torch.cat([exp8, exp8.new_zeros(nb * B - n)])
         out[layout.off_exps : layout.off_exps + take.numel() * B] = blocks.view(nb, B)[take].reshape(-1)
     state.copy_(exp8)
     return torch.tensor(layout.off_exps + idx.numel() * B, dtype=torch.int64)
 
 
 def decode_reference(*, layout: ExponentReuseLayout, payload: torch.Tensor, target_bits: torch.Tensor) -> None:
-    """Pure-torch decoder: ``target_bits`` (previous values) becomes the encoded shard."""
+    """Pure-torch decoder: ``target_bits`` (previous values) becomes the encoded shard.
+
+    Keeps the previous exponent field of every value, replaces sign and mantissa, then patches the
+    exponents of the changed blocks only."""
     fmt, n, B, nb = layout.fmt, layout.numel, layout.block_size, layout.n_blocks
-    sm = torch.zeros(n, dtype=torch.int64 if fmt.total_bits == 32 else torch.int32, device=payload.device)
+    dtype, m = target_bits.dtype, fmt.mant_bits
+    sm = torch.zeros(n, dtype=dtype, device=payload.device)
     if layout.sm_bytes:
         src = payload[layout.off_signmant : layout.off_signmant + n * layout.sm_bytes].view(n, layout.sm_bytes)
         for k in range(layout.sm_bytes):
-            sm |= src[:, k].to(sm.dtype) << (8 * k)
+            sm |= src[:, k].to(dtype) << (8 * k)
     for p in range(layout.n_planes):
         off = layout.off_planes + p * layout.plane_bytes
-        sm |= unpack_bits(payload[off : off + layout.plane_bytes], n).to(sm.dtype) << (8 * layout.sm_bytes + p)
+        sm |= unpack_bits(payload[off : off + layout.plane_bytes], n).to(dtype) << (8 * layout.sm_bytes + p)
 
-    exp_old, _ = split_fields(fmt, to_unsigned(target_bits))
+    exp_field = ((1 << fmt.exp_bits) - 1) << m  # < 2**(total-1): a positive constant of the dtype
+    sign_bit = torch.iinfo(dtype).min  # only the top bit set
+    sign = -((sm >> m) & 1)  # all ones where the sign is set, else 0
+    target_bits &= exp_field
+    target_bits |= (sm & ((1 << m) - 1)) | (sign & sign_bit)
+
     changed = unpack_bits(payload[layout.off_bitmap : layout.off_bitmap + -(-nb // 8)], nb)
-    blocks = torch.zeros(nb * B, dtype=sm.dtype, device=payload.device)
-    blocks[:n] = exp_old
-    blocks = blocks.view(nb, B)
     idx = torch.nonzero(changed).squeeze(1)
     if idx.numel():
-        sent = payload[layout.off_exps : layout.off_exps + idx.numel() * B].view(-1, B)
-        blocks[idx] = sent.to(sm.dtype)
-    target_bits.copy_(from_unsigned(join_fields(fmt, blocks.view(-1)[:n], sm), target_bits.dtype))
+        sent = payload[layout.off_exps : layout.off_exps + idx.numel() * B].view(-1, B).to(dtype) << m
+        full = target_bits if n % B == 0 else torch.cat([target_bits, target_bits.new_zeros(nb * B - n)])
+        blocks = full.view(nb, B)
+        blocks[idx] = (blocks[idx] & ~exp_field) | sent
+        if n % B:
+            target_bits.copy_(full[:n])
 
 
 @register_codec
@@ -179,8 +188,8 @@ class ExponentReuseCodec(Codec):
 
     def reset_state(self, *, state: torch.Tensor, shard: torch.Tensor) -> None:
         self._check_shard(shard)
-        exp, _ = split_fields(self.fmt, to_unsigned(as_bits(shard)))
-        state.copy_(exp.to(torch.uint8))
+        exp8, _ = _native_fields(self.fmt, as_bits(shard))
+        state.copy_(exp8)
 
     def encode(self, *, shard: torch.Tensor, state: torch.Tensor, out: torch.Tensor) -> None:
         self._check_shard(shard)
