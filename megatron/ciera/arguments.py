@@ -110,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sgd-momentum", type=float, default=0.9)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="deterministic kernels (GPU: needed to compare two runs bit for bit; CPU runs are deterministic anyway)")
 
     g = p.add_argument_group("data")
     g.add_argument("--mock-data", action="store_true")

@@ -56,7 +56,11 @@ def initialize(args) -> None:
     if device == "cpu":
         cpu_compat.enable()
     else:
+        if args.deterministic_mode:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS call
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if args.deterministic_mode:
+        torch.use_deterministic_algorithms(True)
     if not dist.is_initialized():
         dist.init_process_group(backend=args.distributed_backend, init_method="env://")
     if dist.get_world_size() != args.world_size:
@@ -134,6 +138,7 @@ def transformer_config(args, vocab_size: int):
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         use_cpu_initialization=args.device == "cpu",
+        deterministic_mode=args.deterministic_mode,
         **moe,
     )
 
