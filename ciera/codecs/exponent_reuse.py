@@ -123,7 +123,7 @@ def encode_reference(*, layout: ExponentReuseLayout, shard_bits: torch.Tensor, s
         blocks = exp8 if n % B == 0 else torch.cat([exp8, exp8.new_zeros(nb * B - n)])
         out[layout.off_exps : layout.off_exps + take.numel() * B] = blocks.view(nb, B)[take].reshape(-1)
     state.copy_(exp8)
-    return torch.tensor(layout.off_exps + idx.numel() * B, dtype=torch.int64)
+    return torch.tensor(layout.off_exps + idx.numel() * B, dtype=torch.int64, device=out.device)
 
 
 def decode_reference(*, layout: ExponentReuseLayout, payload: torch.Tensor, target_bits: torch.Tensor) -> None:
@@ -150,6 +150,9 @@ def decode_reference(*, layout: ExponentReuseLayout, payload: torch.Tensor, targ
 
     changed = unpack_bits(payload[layout.off_bitmap : layout.off_bitmap + -(-nb // 8)], nb)
     idx = torch.nonzero(changed).squeeze(1)
+    if idx.numel() > layout.slots(payload.numel()):
+        raise ValueError(f"exponent_reuse: corrupt payload: {idx.numel()} changed blocks, room for "
+                         f"{layout.slots(payload.numel())}")
     if idx.numel():
         sent = payload[layout.off_exps : layout.off_exps + idx.numel() * B].view(-1, B).to(dtype) << m
         full = target_bits if n % B == 0 else torch.cat([target_bits, target_bits.new_zeros(nb * B - n)])
@@ -194,6 +197,9 @@ class ExponentReuseCodec(Codec):
     def encode(self, *, shard: torch.Tensor, state: torch.Tensor, out: torch.Tensor) -> None:
         self._check_shard(shard)
         cap = self._check_out(out)
+        if state is None or state.dtype != torch.uint8 or state.numel() != self.numel:
+            raise ValueError(f"exponent_reuse: state must be the uint8 exponents of {self.numel} values "
+                             "(from new_state)")
         if self._use_triton(shard):
             from ciera.kernels.exponent_reuse import encode_triton as encode_impl
         else:
