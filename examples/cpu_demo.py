@@ -42,7 +42,8 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--lr", default="1e-4")
     p.add_argument("--seed", default="1234")
-    p.add_argument("--codec", default="exponent_reuse", choices=["exponent_reuse", "delta", "auto", "raw"])
+    p.add_argument("--codec", default=None, choices=["exponent_reuse", "delta", "auto", "raw"],
+                   help="--ciera-codec for the CIERA run (default: the library's default codec)")
     p.add_argument("--log-interval", type=int, default=5)
     p.add_argument("--timeout", type=float, default=600)
     a = p.parse_args(argv)
@@ -50,7 +51,8 @@ def main(argv=None) -> int:
     common = [*MODEL, *TRAINING, "--lr", a.lr, "--min-lr", a.lr, "--seed", a.seed,
               "--train-iters", str(a.iters), "--log-interval", str(a.log_interval)]
     runs = {}
-    for label, extra in (("megatron all-gather", []), ("--ciera-allgather", ["--ciera-allgather", "--ciera-codec", a.codec])):
+    ciera_flags = ["--ciera-allgather"] + (["--ciera-codec", a.codec] if a.codec else [])
+    for label, extra in (("megatron all-gather", []), (" ".join(ciera_flags), ciera_flags)):
         print(f"=== {label}: 2 gloo ranks, {a.iters} iterations ===", flush=True)
         t0 = time.time()
         result = run_pretrain(common + extra, nproc=2, timeout=a.timeout)
