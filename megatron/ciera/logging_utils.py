@@ -13,7 +13,8 @@ def _ratio(raw: int, wire: int) -> float:
 
 def iteration_line(*, iteration, train_iters, consumed_samples, elapsed_ms, lr, global_batch_size,
                    losses: dict, loss_scale, grad_norm, skipped, nan_iters, ciera_totals=None) -> str:
-    """One line in Megatron-LM's ``training_log`` layout; CIERA's totals appended when on."""
+    """One line in Megatron-LM's ``training_log`` layout; with CIERA, ``ciera_totals`` = (raw, wire)
+    bytes this rank received over the log interval is appended."""
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     parts = [
         f" [{now}] iteration {iteration:8d}/{train_iters:8d}",

@@ -350,6 +350,7 @@ def train(args) -> str:
     skipped = nan_iters = 0
     interval_start = time.time()
     interval_losses = []
+    logged_bytes = (0, 0)
     iteration = start_iter
     model.train()
     while iteration < args.train_iters:
@@ -384,6 +385,11 @@ def train(args) -> str:
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             elapsed_ms = (time.time() - interval_start) * 1000 / len(interval_losses)
             stats = ciera_binding.bucket_stats([model]) if ciera_config is not None else None
+            interval_bytes = None
+            if stats is not None:  # the iteration line shows this interval, the table cumulative
+                now = logging_utils.totals(stats)
+                interval_bytes = (now[0] - logged_bytes[0], now[1] - logged_bytes[1])
+                logged_bytes = now
             line = logging_utils.iteration_line(
                 iteration=iteration, train_iters=args.train_iters,
                 consumed_samples=iteration * args.global_batch_size, elapsed_ms=elapsed_ms,
@@ -391,7 +397,7 @@ def train(args) -> str:
                 losses={"lm loss": sum(interval_losses) / len(interval_losses)},
                 loss_scale=float(optimizer.get_loss_scale()), grad_norm=grad_norm,
                 skipped=skipped, nan_iters=nan_iters,
-                ciera_totals=logging_utils.totals(stats) if stats is not None else None)
+                ciera_totals=interval_bytes)
             _print0(line)
             if stats:
                 _print0(logging_utils.bucket_table(stats, f"CIERA buckets (rank 0 received) at iteration {iteration}:"))
