@@ -241,10 +241,13 @@ class CodecProbe:
         self._slots.clear()
         for (ptype, dtype), flat in self.flat_buffers(params=params).items():
             for name in self.codecs:
-                codec = make_codec(name, dtype=dtype, numel=flat.numel(), block_size=self.block_size)
-                state = codec.new_state(shard=flat)
-                out = torch.empty(codec.clamp_capacity(codec.max_bytes), dtype=torch.uint8)
-                self._slots[(name, ptype, dtype)] = (codec, state, out)
+                self._slots[(name, ptype, dtype)] = self._new_slot(name=name, flat=flat)
+
+    def _new_slot(self, *, name: str, flat: torch.Tensor) -> tuple:
+        """(codec, sender state describing ``flat``, payload buffer that can never overflow)."""
+        codec = make_codec(name, dtype=flat.dtype, numel=flat.numel(), block_size=self.block_size)
+        out = torch.empty(codec.clamp_capacity(codec.max_bytes), dtype=torch.uint8)
+        return codec, codec.new_state(shard=flat), out
 
     def encode(self, *, params: dict[str, torch.Tensor], counts: dict[str, TypeCounts]) -> None:
         """Encode ``params`` against the state and add raw / wire bytes to ``counts`` per type.
@@ -255,9 +258,7 @@ class CodecProbe:
             for name in self.codecs:
                 slot = self._slots.get((name, ptype, dtype))
                 if slot is None or slot[0].numel != flat.numel():
-                    codec = make_codec(name, dtype=dtype, numel=flat.numel(), block_size=self.block_size)
-                    out = torch.empty(codec.clamp_capacity(codec.max_bytes), dtype=torch.uint8)
-                    self._slots[(name, ptype, dtype)] = (codec, codec.new_state(shard=flat), out)
+                    self._slots[(name, ptype, dtype)] = self._new_slot(name=name, flat=flat)
                     continue
                 codec, state, out = slot
                 codec.encode(shard=flat, state=state, out=out)
