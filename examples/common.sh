@@ -17,7 +17,8 @@
 #   MODEL_VOCAB         vocabulary size
 #   MODEL_TIED          1 if input embedding and output layer share weights
 #   MODEL_DENSE_LAYERS  leading dense (non-MoE) layers (DeepSeek-MoE: 1)
-#   MODEL_EXTRA_ARGS    optional array of further architecture flags
+#   MODEL_EXTRA_ARGS    optional array of further width-independent flags (RoPE base, norm
+#                       epsilon), kept as they are with TINY=1
 #
 # Everything that is not architecture is decided here, from the environment:
 #
@@ -138,7 +139,7 @@ ciera_model_args() {
         # Megatron-LM's pattern syntax: one entry per layer, 0 = dense MLP, 1 = MoE.
         CIERA_MODEL_ARGS+=(--moe-layer-freq "([0]*$MODEL_DENSE_LAYERS+[1]*$((NUM_LAYERS - MODEL_DENSE_LAYERS)))")
     fi
-    if [[ "${TINY:-0}" != 1 && -n "${MODEL_EXTRA_ARGS+set}" ]]; then
+    if [[ -n "${MODEL_EXTRA_ARGS+set}" ]]; then
         CIERA_MODEL_ARGS+=("${MODEL_EXTRA_ARGS[@]}")
     fi
 }
@@ -213,7 +214,10 @@ ciera_build_args() {
     if [[ -n "${DATA_PATH:-}" ]]; then
         local -a prefixes
         read -r -a prefixes <<<"$DATA_PATH"
-        CIERA_TRAIN_ARGS+=(--data-path "${prefixes[@]}" --split "${SPLIT:-949,50,1}")
+        # pretrain_gpt.py does not evaluate, so all documents train by default. (A split that
+        # gets no document, e.g. the 1/1000 test split of a small corpus, makes megatron-core's
+        # GPTDataset index builder loop forever.)
+        CIERA_TRAIN_ARGS+=(--data-path "${prefixes[@]}" --split "${SPLIT:-100,0,0}")
     else
         CIERA_TRAIN_ARGS+=(--mock-data)
     fi

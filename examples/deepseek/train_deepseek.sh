@@ -26,4 +26,6 @@ MODEL_VOCAB=102400
 MODEL_TIED=0
 MODEL_DENSE_LAYERS=1
 
+MODEL_EXTRA_ARGS=(--norm-epsilon 1e-6)
+
 ciera_train "$@"

@@ -26,4 +26,6 @@ MODEL_VOCAB=151936
 MODEL_TIED=0
 MODEL_DENSE_LAYERS=0
 
+MODEL_EXTRA_ARGS=(--rotary-base 1000000 --norm-epsilon 1e-6)
+
 ciera_train "$@"

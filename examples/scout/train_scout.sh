@@ -26,4 +26,7 @@ MODEL_VOCAB=202048
 MODEL_TIED=0
 MODEL_DENSE_LAYERS=0
 
+# megatron-core requires softmax before top-k when k = 1 (else every routing weight is 1.0).
+MODEL_EXTRA_ARGS=(--rotary-base 500000 --moe-router-pre-softmax)
+
 ciera_train "$@"
