@@ -273,15 +273,17 @@ class CodecProbe:
 # ----------------------------------------------------------------------------------------------
 
 
-def list_snapshots(*, snapshot_dir: Path) -> list[tuple[int, Path]]:
-    """``(iteration, path)`` of every ``iter_<N>.pt`` in ``snapshot_dir``, by iteration."""
+def list_snapshots(*, snapshot_dir: Path, first: int = 0, last: int | None = None) -> list[tuple[int, Path]]:
+    """``(iteration, path)`` of every ``iter_<N>.pt`` in ``snapshot_dir`` with ``first <= N <= last``,
+    by iteration."""
     found = []
     for p in Path(snapshot_dir).iterdir():
         m = SNAPSHOT_RE.match(p.name)
-        if m:
+        if m and first <= int(m.group(1)) and (last is None or int(m.group(1)) <= last):
             found.append((int(m.group(1)), p))
     if len(found) < 2:
-        raise SystemExit(f"exponent_stats: {snapshot_dir} holds {len(found)} iter_<N>.pt snapshots; need >= 2")
+        raise SystemExit(f"exponent_stats: {snapshot_dir} holds {len(found)} iter_<N>.pt snapshots at iterations "
+                         f"{first}..{'' if last is None else last}; need >= 2")
     return sorted(found)
 
 
@@ -293,9 +295,9 @@ def load_snapshot(*, path: Path) -> dict[str, torch.Tensor]:
     return obj
 
 
-def file_snapshots(*, snapshot_dir: Path) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
-    """Snapshots of a run, one at a time, in iteration order."""
-    for it, path in list_snapshots(snapshot_dir=snapshot_dir):
+def file_snapshots(*, paths: list[tuple[int, Path]]) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    """The snapshots ``paths`` lists (from :func:`list_snapshots`), loaded one at a time."""
+    for it, path in paths:
         yield it, load_snapshot(path=path)
 
 
@@ -643,6 +645,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--codec-block-size", type=int, default=None, help="block_size for the codecs (default: theirs)")
     p.add_argument("--out-dir", type=Path, default=None, help="write exponent_stats.{md,json} and PNGs here")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--iterations", default=":", metavar="FIRST:LAST",
+                   help="--snapshot-dir: read only snapshots at iterations FIRST..LAST (inclusive; "
+                        "either may be omitted)")
     g = p.add_argument_group("--synthetic")
     g.add_argument("--lr", type=float, default=1e-4)
     g.add_argument("--iters", type=int, default=100, help="AdamW steps (default %(default)s)")
@@ -662,6 +667,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         unknown = sorted(set(args.codecs) - set(available_codecs()))
         if unknown:
             p.error(f"unknown codecs {unknown}; registered: {available_codecs()}")
+    try:
+        first, last = args.iterations.split(":")
+        args.first, args.last = int(first or 0), (int(last) if last else None)
+    except ValueError:
+        p.error(f"--iterations {args.iterations!r}: expected FIRST:LAST, e.g. 30:130 or :500")
     if args.synthetic and args.iters < 1:
         p.error(f"--iters {args.iters} must be >= 1")
     return args
@@ -677,8 +687,9 @@ def main(argv: list[str] | None = None) -> dict:
         total, source = args.iters, (f"synthetic AdamTrajectory, lr {args.lr:g}, {args.iters} steps, "
                                      f"unit {args.synthetic_numel} values, seed {args.seed}")
     else:
-        total = len(list_snapshots(snapshot_dir=args.snapshot_dir)) - 1
-        snaps, source = file_snapshots(snapshot_dir=args.snapshot_dir), f"snapshots in {args.snapshot_dir}"
+        paths = list_snapshots(snapshot_dir=args.snapshot_dir, first=args.first, last=args.last)
+        total, snaps = len(paths) - 1, file_snapshots(paths=paths)
+        source = f"snapshots in {args.snapshot_dir}, iterations {paths[0][0]}..{paths[-1][0]}"
     result = run_stats(snapshots=snaps, total=total, block_sizes=args.block_sizes, codecs=args.codecs,
                        codec_block_size=args.codec_block_size, dtype=dtype, quiet=args.quiet)
     summary = summarize(rows=result["iterations"], warmup=args.warmup)

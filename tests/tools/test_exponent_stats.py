@@ -199,6 +199,10 @@ def test_cli_reports_interval(es, tmp_path, capsys):
     es.main(["--snapshot-dir", str(tmp_path), "--quiet", "--codecs", "none", "--block-sizes", "64"])
     out = capsys.readouterr().out
     assert "Rates per 5 iterations (snapshot interval 5)" in out and "B=64 blocks" in out
+    es.main(["--snapshot-dir", str(tmp_path), "--quiet", "--codecs", "none", "--iterations", "5:"])
+    assert "mean over 1 transitions from iteration >= 0 (of 1)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        es.main(["--snapshot-dir", str(tmp_path), "--quiet", "--iterations", ":4"])  # one snapshot left
 
 
 def test_cli_warmup_past_the_end(es, tmp_path, capsys):
