@@ -157,9 +157,9 @@ def exponent_of(fmt: FloatFormat, u: torch.Tensor) -> torch.Tensor:
 
 
 def bit_length(z: torch.Tensor, width: int) -> torch.Tensor:
-    """Bits needed by integers in [0, 2^width) (0 for 0), int64. ``frexp`` is exact on integers
-    the float type holds exactly: float32 below 2^24, float64 below 2^53."""
-    return torch.frexp(z.to(torch.float32 if width <= 24 else torch.float64))[1].to(torch.int64)
+    """Bits needed by integers in [0, 2^width) (0 for 0), in ``z``'s dtype. ``frexp`` is exact on
+    integers the float type holds exactly: float32 below 2^24, float64 below 2^53."""
+    return torch.frexp(z.to(torch.float32 if width <= 24 else torch.float64))[1].to(z.dtype)
 
 
 def choose_table(layout: DeltaLayout, hist: torch.Tensor) -> torch.Tensor:
@@ -233,20 +233,30 @@ def _from_le_bytes(b: torch.Tensor) -> torch.Tensor:
     return (b.to(torch.int64) << shifts).sum(-1)
 
 
-def _grouped(layout: DeltaLayout, u: torch.Tensor, fill: int = 0) -> torch.Tensor:
-    """``[n]`` -> ``[nb, NG, G]`` int64, padded with ``fill``."""
-    nb, NG, G = layout.n_blocks, layout.groups_per_block, layout.group_size
-    x = torch.full((nb * layout.block_size,), fill, dtype=torch.int64, device=u.device)
-    x[: layout.numel] = u
-    return x.view(nb, NG, G)
+def _grouped(layout: DeltaLayout, u: torch.Tensor) -> torch.Tensor:
+    """``[n]`` -> ``[nb, NG, G]``, zero-padded (a copy only when the last block is partial)."""
+    pad = layout.n_blocks * layout.block_size - layout.numel
+    if pad:
+        u = torch.cat([u, u.new_zeros(pad)])
+    return u.view(layout.n_blocks, layout.groups_per_block, layout.group_size)
 
 
-def _value_widths(layout: DeltaLayout, table: torch.Tensor, e_prev: torch.Tensor, valid: torch.Tensor,
+def _valid(layout: DeltaLayout, device) -> torch.Tensor | None:
+    """``[nb, NG, G]`` mask of the shard's values; ``None`` when no block is partial."""
+    size = layout.n_blocks * layout.block_size
+    if size == layout.numel:
+        return None
+    return _grouped(layout, torch.ones(layout.numel, dtype=torch.bool, device=device))
+
+
+def _value_widths(layout: DeltaLayout, table: torch.Tensor, e_prev: torch.Tensor, valid: torch.Tensor | None,
                   raw: torch.Tensor | None) -> torch.Tensor:
-    w = torch.where(valid, table[e_prev], 0)
+    """Width of every value: the table entry of its previous exponent, ``W`` in raw blocks,
+    0 past the end of the shard."""
+    w = table.to(e_prev.dtype)[e_prev]
     if raw is not None:
-        w = torch.where(raw[:, None, None] & valid, layout.width, w)
-    return w
+        w = torch.where(raw[:, None, None], layout.width, w)
+    return w if valid is None else torch.where(valid, w, 0)
 
 
 # -- reference ---------------------------------------------------------------------------------
@@ -259,17 +269,15 @@ def encode_reference(*, layout: DeltaLayout, shard_bits: torch.Tensor, state: to
     dev = out.device
     if n == 0:
         return torch.tensor(layout.off_data, dtype=torch.int64, device=dev)
+    # int32 arithmetic for 16-bit patterns, int64 for 32-bit ones (from to_unsigned).
     u_new, u_old = to_unsigned(shard_bits), to_unsigned(state)
+    bitlen = bit_length(zigzag(fmt, u_new, u_old), W)
+    hist = torch.bincount(exponent_of(fmt, u_old) * (W + 1) + bitlen, minlength=layout.n_classes * (W + 1))
+    table = choose_table(layout, hist)
     z = _grouped(layout, zigzag(fmt, u_new, u_old))
     e_prev = _grouped(layout, exponent_of(fmt, u_old))
-    valid = _grouped(layout, torch.ones(n, dtype=torch.int64, device=dev)).bool()
-    bitlen = bit_length(z, W)
-
-    # Padding goes to one extra bin past the classes.
-    key = torch.where(valid, e_prev * (W + 1) + bitlen, layout.n_classes * (W + 1))
-    hist = torch.zeros(layout.n_classes * (W + 1) + 1, dtype=torch.int64, device=dev)
-    hist.index_add_(0, key.view(-1), torch.ones(key.numel(), dtype=torch.int64, device=dev))
-    table = choose_table(layout, hist[:-1])
+    bitlen = _grouped(layout, bitlen)
+    valid = _valid(layout, dev)
     w = _value_widths(layout, table, e_prev, valid, None)
     exc = bitlen > w
     plan = plan_blocks(layout, w.sum(-1), exc.sum((1, 2)), None)
@@ -321,7 +329,7 @@ def decode_reference(*, layout: DeltaLayout, payload: torch.Tensor, target_bits:
     raw, count = read_counts(layout, payload)
     u_old = to_unsigned(target_bits)
     e_prev = _grouped(layout, exponent_of(fmt, u_old))
-    valid = _grouped(layout, torch.ones(n, dtype=torch.int64, device=dev)).bool()
+    valid = _valid(layout, dev)
     w = _value_widths(layout, table, e_prev, valid, None)
     plan = plan_blocks(layout, w.sum(-1), count, raw)
     w = _value_widths(layout, table, e_prev, valid, raw)
@@ -329,7 +337,7 @@ def decode_reference(*, layout: DeltaLayout, payload: torch.Tensor, target_bits:
     bitpos = 8 * plan.group_start[:, :, None] + torch.cumsum(w, -1) - w
     at = bitpos >> 3
     last = payload.numel() - 1
-    z = torch.zeros_like(w)
+    z = torch.zeros(w.shape, dtype=torch.int64, device=dev)
     for t in range(W // 8 + 1):
         z |= payload[torch.clamp(at + t, max=last)].to(torch.int64) << (8 * t)
     z = (z >> (bitpos & 7)) & ((1 << w) - 1)

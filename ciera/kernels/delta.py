@@ -89,7 +89,7 @@ def _pack(shard_ptr, state_ptr, out_ptr, table_ptr, raw_ptr, gstart_ptr, gexc_pr
         w = tl.load(table_ptr + ((u_old >> MANT) & EXPMASK), mask=valid, other=0).to(tl.int64)
         w = tl.where(raw, W, w)
         w = tl.where(valid, w, 0)
-        exc = (_bit_length(z, W) > w) & (not raw)
+        exc = _bit_length(z, W) > w  # never in raw blocks: there w = W >= bit length
         low = z & ((tl.full(w.shape, 1, tl.int64) << w) - 1)
         o = tl.cumsum(w, axis=0) - w
         # Output word m of the group holds bits [32m, 32m + 32): OR of the overlapping values.

@@ -176,7 +176,7 @@ def test_special_value_transitions(dtype, block):
     assert_bits_equal(got2, prev)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), dtype=st.sampled_from(DTYPES), block=st.sampled_from([8, 16, 64, 512]))
 def test_property_arbitrary_bit_patterns(data, dtype, block):
     W = float_format(dtype).total_bits
@@ -290,9 +290,9 @@ def _run_trajectory(dtype, n, steps, lr, block=256, check_every=1):
     return total / steps / codec.raw_bytes
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_long_trajectory_no_drift(dtype):
-    _run_trajectory(dtype, n=300, steps=1000, lr=3e-4, check_every=50)
+@pytest.mark.parametrize("dtype,steps", [(torch.bfloat16, 1000), (torch.float32, 200)])
+def test_long_trajectory_no_drift(dtype, steps):
+    _run_trajectory(dtype, n=300, steps=steps, lr=3e-4, check_every=50)
 
 
 def test_compresses_adam_trajectory():
