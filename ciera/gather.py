@@ -352,6 +352,8 @@ class CieraAllGather:
                     codec.decode(payload=payloads[r], target=self._shards[r], header=headers[r])
             self._decode_timer.stop(token)
         self._stats.payload_bytes += sum(min(n, capacity) for n in needed)
+        self._stats.variable_bytes += sum(n - codec.fixed_bytes for n in needed)
+        self._stats.variable_bytes_max += self.world * (codec.max_bytes - codec.fixed_bytes)
         self._stats.codec = mode
         self._account(raw=False, wire=wire)
         self._update_capacity(codec, max(needed))

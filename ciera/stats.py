@@ -27,6 +27,10 @@ class GatherStats:
     """Bytes actually delivered to this rank (payloads at capacity, fallbacks in full)."""
     payload_bytes: int = 0
     """Bytes the payloads needed (sum of their headers' sizes, all ranks): wire minus padding."""
+    variable_bytes: int = 0
+    """Bytes of the payloads' variable sections (all ranks, true sizes even when overflowed)."""
+    variable_bytes_max: int = 0
+    """What those sections would have been with every value changed: see :attr:`change_rate`."""
     gathers: int = 0
     """Completed gathers."""
     raw_gathers: int = 0
@@ -50,6 +54,13 @@ class GatherStats:
         """raw / wire: the traffic reduction (1.0 when nothing was sent)."""
         return self.raw_bytes / self.wire_bytes if self.wire_bytes else 1.0
 
+    @property
+    def change_rate(self) -> float:
+        """Fraction of the codec's worst-case variable section the payloads used: for
+        ``exponent_reuse`` the fraction of blocks whose exponents changed; for ``delta`` the
+        fraction of the widest possible packing. 0.0 before any compressed gather."""
+        return self.variable_bytes / self.variable_bytes_max if self.variable_bytes_max else 0.0
+
     def minus(self, earlier: "GatherStats") -> "GatherStats":
         """Counters accumulated since ``earlier`` (codec and capacity are the current ones)."""
         out = dataclasses.replace(self)
@@ -72,6 +83,7 @@ class GatherStats:
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["ratio"] = self.ratio
+        d["change_rate"] = self.change_rate
         return d
 
 

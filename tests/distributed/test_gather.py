@@ -189,4 +189,5 @@ def test_stats_add_up():
         assert s.wire_bytes == expected
         assert s.raw_bytes == 12 * 4096 * 2 * 2
         assert s.payload_bytes <= s.wire_bytes
+        assert 0.0 < s.change_rate < 0.5
         assert s.ratio > 1.2
