@@ -85,3 +85,25 @@ def test_tiny_trains_on_preprocessed_byte_data(tmp_path):
     sha, losses, output = train_tiny("deepseek", "1", tmp_path, DATA_PATH=str(tmp_path / "sample_text_document"),
                                      TOKENIZER="byte")
     assert len(losses) == 10 and all(loss == loss for loss in losses.values())
+
+
+@pytest.mark.slow
+def test_two_node_launch_on_localhost_matches_one_node(tmp_path):
+    """The multi-node path (static rendezvous, NODE_RANK) as srun would run it, with two 'nodes'
+    of one rank each on this machine: the same run as one node with two ranks."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    one_node_sha, _, _ = train_tiny("olmoe", "1", tmp_path)
+    env = dict(os.environ, TINY="1", CIERA="1", NNODES="2", GPUS_PER_NODE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=port, PYTHON=sys.executable, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    for var in ("DATA_PATH", "TOKENIZER", "CHECKPOINT_DIR", "FULL_DEPTH", "DRY_RUN", "EP", "TORCHRUN"):
+        env.pop(var, None)
+    script = str(EXAMPLES / "olmoe" / "train_olmoe.sh")
+    nodes = [subprocess.Popen(["bash", script], env=dict(env, NODE_RANK=str(rank)), cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=900)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-4000:] + outputs[1][-4000:]
+    assert SHA.findall(outputs[0]) == [one_node_sha]
