@@ -28,8 +28,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["install", "uninstall", "invalidate_param_caches", "bucket_stats", "upstream_post_sync",
-           "fallback_reason"]
+__all__ = ["install", "uninstall", "invalidate_param_caches", "prepare_param_gathers", "bucket_stats",
+           "upstream_post_sync", "fallback_reason"]
 
 _GATHER_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -192,6 +192,22 @@ def invalidate_param_caches(ddp_models: Iterable) -> None:
     for bucket_group in _installed(ddp_models):
         for gather in bucket_group._ciera.gathers:
             gather.invalidate()
+
+
+def prepare_param_gathers(ddp_models: Iterable) -> int:
+    """Encode every bucket's shard now, right after the optimizer wrote it (side CUDA stream on
+    GPU), so that the gathers the next forward dispatches only launch their collectives and only
+    decoding stays on the critical path. Skips bucket groups whose gather is already dispatched
+    and groups not gathered yet (their gathers are built at their first dispatch). Returns the
+    number of buckets prepared."""
+    n = 0
+    for bucket_group in _installed(ddp_models):
+        if bucket_group.param_gather_dispatched or bucket_group.param_gather_handle is not None:
+            continue
+        for gather in bucket_group._ciera.gathers:
+            gather.prepare()
+            n += 1
+    return n
 
 
 def bucket_stats(ddp_models: Iterable) -> list[tuple[str, object]]:

@@ -350,7 +350,7 @@ def train(args) -> str:
     skipped = nan_iters = 0
     interval_start = time.time()
     interval_losses = []
-    logged_bytes = (0, 0)
+    logged_stats = []  # CIERA counters at the last log line
     iteration = start_iter
     model.train()
     while iteration < args.train_iters:
@@ -366,6 +366,9 @@ def train(args) -> str:
             forward_only=False,
         )
         update_successful, grad_norm, _ = optimizer.step()
+        if ciera_config is not None and args.overlap_param_gather:
+            # Encode the new shards now; the next forward's pre-hooks only launch the gathers.
+            ciera_binding.prepare_param_gathers([model])
         if update_successful:
             scheduler.step(increment=args.global_batch_size)
         else:
@@ -385,11 +388,11 @@ def train(args) -> str:
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             elapsed_ms = (time.time() - interval_start) * 1000 / len(interval_losses)
             stats = ciera_binding.bucket_stats([model]) if ciera_config is not None else None
-            interval_bytes = None
-            if stats is not None:  # the iteration line shows this interval, the table cumulative
-                now = logging_utils.totals(stats)
-                interval_bytes = (now[0] - logged_bytes[0], now[1] - logged_bytes[1])
-                logged_bytes = now
+            interval_bytes = interval_stats = None
+            if stats is not None:  # the iteration line and the table show this log interval
+                interval_stats = logging_utils.since(stats, logged_stats)
+                interval_bytes = logging_utils.totals(interval_stats)
+                logged_stats = stats
             line = logging_utils.iteration_line(
                 iteration=iteration, train_iters=args.train_iters,
                 consumed_samples=iteration * args.global_batch_size, elapsed_ms=elapsed_ms,
@@ -399,15 +402,15 @@ def train(args) -> str:
                 skipped=skipped, nan_iters=nan_iters,
                 ciera_totals=interval_bytes)
             _print0(line)
-            if stats:
-                _print0(logging_utils.bucket_table(stats, f"CIERA buckets (rank 0 received) at iteration {iteration}:"))
+            if interval_stats:
+                _print0(logging_utils.bucket_table(
+                    interval_stats, f"CIERA buckets, iterations {iteration - len(interval_losses) + 1}-{iteration} "
+                                    f"(bytes rank 0 received):"))
             if writer is not None:
                 writer.add_scalar("lm loss", interval_losses[-1], iteration)
                 writer.add_scalar("learning rate", optimizer.param_groups[0]["lr"], iteration)
-                if stats:
-                    raw, wire = logging_utils.totals(stats)
-                    writer.add_scalar("ciera/raw_bytes", raw, iteration)
-                    writer.add_scalar("ciera/wire_bytes", wire, iteration)
+                if interval_stats:
+                    logging_utils.write_tensorboard(writer, interval_stats, iteration)
             interval_start, interval_losses = time.time(), []
 
         if args.ciera_snapshot_interval and iteration % args.ciera_snapshot_interval == 0:
