@@ -11,7 +11,10 @@ norms, embeddings/output layer, other):
 * the fraction of B-value blocks holding at least one changed exponent, for each ``--block-sizes``
   (blocks are laid over each parameter tensor flattened; the last block may be short);
 * the empirical entropy of the XOR delta against the previous snapshot, in bits per value (the
-  entropy of the distribution of XOR bit patterns over the type's values);
+  entropy of the distribution of XOR bit patterns over the type's values), and the entropy of the
+  arithmetic delta ``(new - previous) mod 2^W`` of the bit patterns given the previous exponent,
+  ``H(delta | exponent)``: what a coder that picks its code by the previous exponent (the ``delta``
+  codec does) can reach, often well under the XOR entropy;
 * every registered codec's wire ratio: the real codecs encode each type's parameters, flattened and
   concatenated in name order (one buffer per type and dtype, like a gather bucket), snapshot after
   snapshot; wire bytes = the ``needed`` word of the payload header, ratio = raw bytes / wire bytes.
@@ -96,13 +99,13 @@ Histogram = tuple[torch.Tensor, torch.Tensor]
 """Sparse histogram: (distinct values, their counts), both int64."""
 
 
-def xor_histogram(*, xor: torch.Tensor) -> Histogram:
-    """Histogram of unsigned XOR patterns (a dense bincount for 16-bit formats)."""
-    if xor.numel() and int(xor.max()) < (1 << 16):
-        counts = torch.bincount(xor.to(torch.int64), minlength=1 << 16)
+def histogram(*, keys: torch.Tensor) -> Histogram:
+    """Histogram of non-negative integer keys (a dense bincount when they all fit in 16 bits)."""
+    if keys.numel() and int(keys.max()) < (1 << 16):
+        counts = torch.bincount(keys.to(torch.int64), minlength=1 << 16)
         values = torch.nonzero(counts).squeeze(1)
         return values, counts[values]
-    values, counts = torch.unique(xor.to(torch.int64), return_counts=True)
+    values, counts = torch.unique(keys.to(torch.int64), return_counts=True)
     return values, counts
 
 
@@ -148,9 +151,14 @@ class TypeCounts:
     sign_changed: int = 0
     blocks: dict[int, list[int]] = field(default_factory=dict)
     """B -> [blocks, blocks with a changed exponent]."""
-    hists: list[Histogram] = field(default_factory=list)
-    """XOR histograms of the type's tensors; folded into ``entropy`` by :meth:`finish`."""
+    hists: dict[str, list[Histogram]] = field(default_factory=dict)
+    """Histograms of the type's tensors by kind: ``xor`` (XOR patterns), ``exp`` (previous
+    exponents), ``exp_delta`` (previous exponent and arithmetic delta, jointly); folded into the
+    entropies by :meth:`finish`."""
     entropy: float = 0.0
+    """Entropy of the XOR patterns, bits per value."""
+    delta_entropy: float = 0.0
+    """H(arithmetic delta | previous exponent), bits per value."""
     codec_bytes: dict[str, list[int]] = field(default_factory=dict)
     """Codec name -> [raw bytes, wire bytes]."""
 
@@ -162,6 +170,8 @@ class TypeCounts:
         xor = u_prev ^ u_cur
         exp_xor, _ = split_fields(fmt, xor)  # field extraction commutes with XOR
         exp_diff = exp_xor != 0
+        exp_prev, _ = split_fields(fmt, u_prev)
+        delta = (u_cur - u_prev) & ((1 << fmt.total_bits) - 1)
         self.values += xor.numel()
         self.exp_changed += int(exp_diff.sum())
         self.value_changed += int((xor != 0).sum())
@@ -170,12 +180,17 @@ class TypeCounts:
             acc = self.blocks.setdefault(b, [0, 0])
             acc[0] += nb
             acc[1] += nc
-        self.hists.append(xor_histogram(xor=xor))
+        self.hists.setdefault("xor", []).append(histogram(keys=xor))
+        self.hists.setdefault("exp", []).append(histogram(keys=exp_prev))
+        joint = (exp_prev.to(torch.int64) << fmt.total_bits) | delta
+        self.hists.setdefault("exp_delta", []).append(histogram(keys=joint))
 
     def finish(self) -> None:
-        """Fold the XOR histograms into :attr:`entropy` and drop them."""
-        self.hists = [merge_histograms(hists=self.hists)]
-        self.entropy = entropy_bits(hist=self.hists[0])
+        """Merge the histograms of each kind and compute the entropies from them."""
+        self.hists = {k: [merge_histograms(hists=v)] for k, v in self.hists.items()}
+        h = {k: entropy_bits(hist=v[0]) for k, v in self.hists.items()}
+        self.entropy = h.get("xor", 0.0)
+        self.delta_entropy = max(h.get("exp_delta", 0.0) - h.get("exp", 0.0), 0.0)
 
     def rates(self) -> dict:
         """This transition's figures as fractions (JSON-ready)."""
@@ -187,6 +202,7 @@ class TypeCounts:
             "sign_changed": self.sign_changed / v,
             "block_changed": {str(b): (c / n if n else 0.0) for b, (n, c) in sorted(self.blocks.items())},
             "xor_entropy_bits": self.entropy,
+            "delta_entropy_bits": self.delta_entropy,
             "codec_ratio": {k: (r / w if w else float("nan")) for k, (r, w) in sorted(self.codec_bytes.items())},
             "codec_bytes": {k: {"raw": r, "wire": w} for k, (r, w) in sorted(self.codec_bytes.items())},
         }
@@ -208,7 +224,8 @@ def pool_counts(*, parts: list[TypeCounts]) -> TypeCounts:
             acc = total.codec_bytes.setdefault(k, [0, 0])
             acc[0] += r
             acc[1] += w
-        total.hists.extend(p.hists)
+        for k, v in p.hists.items():
+            total.hists.setdefault(k, []).extend(v)
     total.finish()
     return total
 
@@ -475,6 +492,7 @@ def summarize(*, rows: list[dict], warmup: int) -> dict[str, dict]:
             "sign_changed": mean([p["sign_changed"] for p in per]),
             "block_changed": {b: mean([p["block_changed"][b] for p in per]) for b in per[0]["block_changed"]},
             "xor_entropy_bits": mean([p["xor_entropy_bits"] for p in per]),
+            "delta_entropy_bits": mean([p["delta_entropy_bits"] for p in per]),
             "codec_ratio": ratios,
         }
     return out
@@ -508,7 +526,8 @@ def markdown_table(*, summary: dict[str, dict], types: dict[str, dict], rows: li
     bs = list(first["block_changed"])
     codecs = list(first["codec_ratio"])
     head = (["type", "params", "values", "exp changed", "value changed", "sign flips"]
-            + [f"B={b} blocks" for b in bs] + ["XOR entropy (bits/value)"] + [f"{c} ratio" for c in codecs])
+            + [f"B={b} blocks" for b in bs] + ["XOR entropy (bits/value)", "H(delta given exp) (bits/value)"]
+            + [f"{c} ratio" for c in codecs])
     lines = [
         f"Rates {interval_note(rows=rows)}, mean over {first['transitions']} transitions from iteration "
         f">= {warmup} (of {len(rows)}); codec ratio = raw bytes / wire bytes summed over those transitions.",
@@ -521,7 +540,7 @@ def markdown_table(*, summary: dict[str, dict], types: dict[str, dict], rows: li
         cells = [ptype, str(n_params), str(s["values"]), _pct(s["exp_changed"]), _pct(s["value_changed"]),
                  _pct(s["sign_changed"])]
         cells += [_pct(s["block_changed"][b]) for b in bs]
-        cells += [f"{s['xor_entropy_bits']:.3f}"] + [f"{s['codec_ratio'].get(c, float('nan')):.3f}x" for c in codecs]
+        cells += [f"{s['xor_entropy_bits']:.3f}", f"{s['delta_entropy_bits']:.3f}"] + [f"{s['codec_ratio'].get(c, float('nan')):.3f}x" for c in codecs]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -545,7 +564,7 @@ def write_plots(*, out_dir: Path, rows: list[dict], summary: dict[str, dict], no
     fig, axes = plt.subplots(3, 1, figsize=(9, 10), sharex=True)
     panels = [("exponents changed (%)", lambda p: 100 * p["exp_changed"]),
               ("values changed (%)", lambda p: 100 * p["value_changed"]),
-              ("XOR entropy (bits/value)", lambda p: p["xor_entropy_bits"])]
+              ("entropy (bits/value): XOR solid,\nH(delta | exponent) dashed", lambda p: p["xor_entropy_bits"])]
     for ax, (label, f) in zip(axes, panels):
         for t in ptypes:
             ax.plot(its(t), series(t, f), label=t, **style(t))
@@ -553,6 +572,9 @@ def write_plots(*, out_dir: Path, rows: list[dict], summary: dict[str, dict], no
         ax.grid(alpha=0.3)
         if show_warmup:
             ax.axvline(warmup, color="grey", ls=":", lw=1)
+    for line, t in zip(axes[2].get_lines(), ptypes):
+        axes[2].plot(its(t), series(t, lambda p: p["delta_entropy_bits"]), ls="--", color=line.get_color(),
+                     lw=line.get_linewidth())
     axes[0].set_yscale("symlog", linthresh=0.01)
     axes[0].legend(fontsize=8, ncol=4)
     axes[0].set_title(f"Change rates {note}")
@@ -590,7 +612,8 @@ def write_plots(*, out_dir: Path, rows: list[dict], summary: dict[str, dict], no
         ax.grid(alpha=0.3)
         if show_warmup:
             ax.axvline(warmup, color="grey", ls=":", lw=1)
-    axes[0, 0].legend(fontsize=8, ncol=4)
+    if codecs:
+        axes[0, 0].legend(fontsize=8, ncol=4)
     axes[0, 0].set_title("Codec wire ratio per snapshot" + ("" if codecs else " (no codec run)"))
     axes[-1, 0].set_xlabel("iteration")
     fig.tight_layout()

@@ -76,7 +76,7 @@ def test_zero_change_is_zero_everywhere(es):
         r = rates[ptype]
         assert r["exp_changed"] == r["value_changed"] == r["sign_changed"] == 0
         assert all(v == 0 for v in r["block_changed"].values())
-        assert r["xor_entropy_bits"] == 0.0
+        assert r["xor_entropy_bits"] == 0.0 and r["delta_entropy_bits"] == 0.0
 
 
 def test_sign_flips_change_values_not_exponents(es):
@@ -86,6 +86,7 @@ def test_sign_flips_change_values_not_exponents(es):
     assert r["value_changed"] == 1.0 and r["sign_changed"] == 1.0
     assert r["exp_changed"] == 0 and all(v == 0 for v in r["block_changed"].values())
     assert r["xor_entropy_bits"] == 0.0  # every XOR is the sign bit: one pattern
+    assert r["delta_entropy_bits"] == 0.0  # and every difference is 0x8000 mod 2^16
 
 
 def test_known_exponent_changes_and_blocks(es):
@@ -107,6 +108,7 @@ def test_known_exponent_changes_and_blocks(es):
     assert r["block_changed"] == {"4": 3 / 256, "64": 3 / 16, "1024": 1.0}
     p = 4 / 1024
     assert r["xor_entropy_bits"] == pytest.approx(-(p * math.log2(p) + (1 - p) * math.log2(1 - p)), abs=1e-12)
+    assert r["delta_entropy_bits"] == pytest.approx(r["xor_entropy_bits"], abs=1e-12)  # one exponent: same split
     # Pooled with the unchanged 256-value norm: counts add, the norm's blocks add unchanged blocks.
     a = rates["all"]
     assert a["exp_changed"] == 4 / 1280
@@ -146,9 +148,21 @@ def test_real_codec_wire_bytes(es):
     assert rates["all"]["codec_bytes"] == rates["attention"]["codec_bytes"]
 
 
+def test_delta_entropy_uses_the_previous_exponent(es):
+    """1.5 (0x3FC0) steps up one ulp, 0.375 (0x3EC0) two ulps: XORs 1 and 2, half each (1 bit);
+    the arithmetic delta is fixed by the previous exponent (0 bits given the exponent)."""
+    prev = torch.tensor([1.5, 0.375] * 50, dtype=BF16)
+    cur = torch.tensor([1.5078125, 0.37890625] * 50, dtype=BF16)
+    bits = lambda t: es.to_unsigned(es.as_bits(t))  # noqa: E731
+    assert set((bits(cur) - bits(prev)).tolist()) == {1, 2}
+    rates, _ = _transition(es, {"output_layer.weight": prev}, {"output_layer.weight": cur})
+    assert rates["embedding"]["xor_entropy_bits"] == pytest.approx(1.0)
+    assert rates["embedding"]["delta_entropy_bits"] == pytest.approx(0.0, abs=1e-12)
+
+
 def test_histogram_merge_and_entropy(es):
-    h1 = es.xor_histogram(xor=torch.tensor([0, 1, 2, 3], dtype=torch.int32))
-    h2 = es.xor_histogram(xor=torch.tensor([1 << 20, 1 << 20], dtype=torch.int64))  # wide (fp32) patterns
+    h1 = es.histogram(keys=torch.tensor([0, 1, 2, 3], dtype=torch.int32))
+    h2 = es.histogram(keys=torch.tensor([1 << 20, 1 << 20], dtype=torch.int64))  # wide (fp32) patterns
     assert es.entropy_bits(hist=h1) == pytest.approx(2.0)
     merged = es.merge_histograms(hists=[h1, h2])
     assert merged[1].sum() == 6
