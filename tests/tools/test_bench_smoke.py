@@ -35,3 +35,12 @@ def test_bench_allgather_smoke(tmp_path):
     subprocess.run([sys.executable, str(TOOLS / "bench_allgather.py"), "--smoke", "--out-md", str(md)],
                    check=True, timeout=300, capture_output=True)
     assert "| exponent_reuse |" in md.read_text()
+
+
+@pytest.mark.distributed
+def test_bench_training_smoke(tmp_path):
+    md = tmp_path / "t.md"
+    subprocess.run([sys.executable, str(TOOLS / "bench_training.py"), "--smoke", "--out-md", str(md)],
+                   check=True, timeout=600, capture_output=True)
+    table = md.read_text()
+    assert "| auto |" in table and table.rstrip().endswith("| yes |")
