@@ -64,6 +64,9 @@ DEFAULT_EOD_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 
 OUTPUT_SUFFIX = "_text_document"
 
+POOL_BATCH_PER_WORKER = 256
+"""With ``--workers N``, documents go to the pool ``N x POOL_BATCH_PER_WORKER`` at a time."""
+
 
 class PreprocessError(RuntimeError):
     """A user-facing error: bad input, missing file, missing optional package."""
@@ -148,7 +151,8 @@ def build_tokenizer(*, kind: str, tokenizer_file: str | None = None, eod_token: 
 # --------------------------------------------------------------------------------------------
 
 
-def _open_text(path: str) -> io.TextIOBase:
+def _open_text(*, path: str) -> io.TextIOBase:
+    """``path`` opened as UTF-8 text (gzip-decompressed for ``.gz``); a clear error if missing."""
     if not os.path.isfile(path):
         raise PreprocessError(f"input file not found: {path}")
     if path.endswith(".gz"):
@@ -169,7 +173,7 @@ def detect_format(*, path: str) -> str:
 
 def read_jsonl(*, path: str, json_key: str) -> Iterator[str]:
     """Documents under ``json_key`` of each non-blank line of a JSON-lines file."""
-    with _open_text(path) as f:
+    with _open_text(path=path) as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -190,7 +194,8 @@ def read_jsonl(*, path: str, json_key: str) -> Iterator[str]:
             yield value
 
 
-def _parse_columns(spec: str) -> list[str | int]:
+def _parse_columns(*, spec: str) -> list[str | int]:
+    """``--csv-column``: comma-separated header names (str) or 0-based indices (int)."""
     columns: list[str | int] = []
     for part in spec.split(","):
         part = part.strip()
@@ -207,13 +212,13 @@ def read_csv(*, path: str, columns: str, join: str, header: bool | None) -> Iter
     means: a header row exists iff the columns are given by name (AG News' csv has no header, so
     ``--csv-column 1,2`` reads title and description).
     """
-    wanted = _parse_columns(columns)
+    wanted = _parse_columns(spec=columns)
     by_name = any(isinstance(c, str) for c in wanted)
     has_header = by_name if header is None else header
     if by_name and not has_header:
         raise PreprocessError("--csv-column names columns, but --csv-header no says there is no header")
     csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
-    with _open_text(path) as f:
+    with _open_text(path=path) as f:
         reader = csv.reader(f)
         indices: list[int]
         if has_header:
@@ -244,7 +249,7 @@ def read_csv(*, path: str, columns: str, join: str, header: bool | None) -> Iter
 
 def read_text(*, path: str, mode: str) -> Iterator[str]:
     """Documents of a plain-text file: each non-blank line, or each blank-line separated paragraph."""
-    with _open_text(path) as f:
+    with _open_text(path=path) as f:
         if mode == "line":
             for line in f:
                 line = line.rstrip("\r\n")
@@ -380,16 +385,16 @@ def preprocess(
                     skipped[0] += 1
 
         nonempty = nonempty_documents()
+        encoded: Iterable[tuple[str, numpy.ndarray]]
         if workers > 1:
             # Spawned workers import this file by module name: keep its folder on their sys.path.
             tool_dir = os.path.dirname(os.path.abspath(__file__))
             if tool_dir not in sys.path:
                 sys.path.append(tool_dir)
             pool = multiprocessing.get_context("spawn").Pool(workers)
-            spec = (tokenizer_kind, tokenizer_file, eod_token)
-            encoded: Iterable[tuple[str, numpy.ndarray]] = _zip_encoded(
-                texts=nonempty,
-                encode=lambda texts: pool.imap(_encode_in_worker, ((spec, t) for t in texts), chunksize=64),
+            encoded = _encode_in_pool(
+                texts=nonempty, pool=pool, spec=(tokenizer_kind, tokenizer_file, eod_token),
+                batch_size=POOL_BATCH_PER_WORKER * workers,
             )
         else:
             encoded = ((text, tokenizer.encode(text)) for text in nonempty)
@@ -427,12 +432,19 @@ def preprocess(
     )
 
 
-def _zip_encoded(*, texts: Iterable[str], encode) -> Iterator[tuple[str, numpy.ndarray]]:
-    """Pair each text with its ids computed by ``encode`` (an ordered parallel map)."""
-    import itertools
+def _encode_in_pool(*, texts: Iterable[str], pool, spec: tuple, batch_size: int) -> Iterator[tuple[str, numpy.ndarray]]:
+    """``(text, ids)`` in input order, encoded by ``pool`` one bounded batch at a time.
 
-    left, right = itertools.tee(texts)
-    return zip(left, encode(right))
+    Batches (rather than ``Pool.imap`` over the whole stream, whose feeder thread reads ahead
+    without limit) keep memory flat on corpora larger than RAM."""
+    batch: list[str] = []
+    for text in texts:
+        batch.append(text)
+        if len(batch) == batch_size:
+            yield from zip(batch, pool.map(_encode_in_worker, [(spec, t) for t in batch], chunksize=64))
+            batch = []
+    if batch:
+        yield from zip(batch, pool.map(_encode_in_worker, [(spec, t) for t in batch], chunksize=64))
 
 
 # --------------------------------------------------------------------------------------------

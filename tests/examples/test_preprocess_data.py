@@ -136,10 +136,11 @@ def test_json_key_gzip_several_inputs_and_no_eod(tmp_path):
         run([b], tmp_path / "k2")
 
 
-def test_workers_give_the_same_bytes(tmp_path):
+def test_workers_give_the_same_bytes(tmp_path, monkeypatch):
     corpus = tmp_path / "c.jsonl"
     pp.write_sample_corpus(path=str(corpus), num_docs=300, seed=1)
     run([corpus], tmp_path / "one")
+    monkeypatch.setattr(pp, "POOL_BATCH_PER_WORKER", 7)  # 300 = 21 batches of 14 + a remainder of 6
     run([corpus], tmp_path / "two", workers=2)
     for ext in (".bin", ".idx"):
         assert (tmp_path / f"one_text_document{ext}").read_bytes() == (tmp_path / f"two_text_document{ext}").read_bytes()
