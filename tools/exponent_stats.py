@@ -576,6 +576,7 @@ def write_plots(*, out_dir: Path, rows: list[dict], summary: dict[str, dict], no
         axes[2].plot(its(t), series(t, lambda p: p["delta_entropy_bits"]), ls="--", color=line.get_color(),
                      lw=line.get_linewidth())
     axes[0].set_yscale("symlog", linthresh=0.01)
+    axes[0].set_ylim(bottom=0)
     axes[0].legend(fontsize=8, ncol=4)
     axes[0].set_title(f"Change rates {note}")
     axes[-1].set_xlabel("iteration")
