@@ -270,7 +270,7 @@ def test_state_helpers():
 
 
 # -- long trajectories -----------------------------------------------------------------------------
-def _run_trajectory(dtype, n, steps, lr, block=256, check_every=1):
+def _run_trajectory(dtype, n, steps, lr, block=128, check_every=1):
     tr = AdamTrajectory(numel=n, dtype=dtype, lr=lr, seed=11)
     x = tr.current()
     codec = DeltaCodec(dtype=dtype, numel=n, block_size=block)
@@ -315,7 +315,7 @@ def test_compresses_adam_trajectory():
 @pytest.mark.slow
 @pytest.mark.parametrize("lr", [1e-4, 1e-3])
 def test_long_trajectory_full(lr):
-    ratio = _run_trajectory(torch.bfloat16, n=1 << 16, steps=3000, lr=lr, block=256)
+    ratio = _run_trajectory(torch.bfloat16, n=1 << 15, steps=2000, lr=lr, block=128)
     assert ratio < 0.5
 
 
