@@ -37,7 +37,8 @@
 #   NUM_LAYERS, SEQ_LENGTH, LR, WEIGHT_DECAY, SEED, LOG_INTERVAL, TENSORBOARD_DIR
 #   CIERA_CODEC, CIERA_BLOCK_SIZE, CIERA_WARMUP_ITERS, CIERA_SELECTION, CIERA_VERIFY_INTERVAL
 #                    passed (in both modes) only when set; TINY sets CIERA_WARMUP_ITERS=2
-#   PYTHON, TORCHRUN launcher overrides
+#   TORCHRUN         launcher words (default: "$PYTHON -m torch.distributed.run" when PYTHON is
+#                    set, else torchrun from PATH)
 #
 # Arguments given to the script ("$@") are appended last, so they override anything above.
 
@@ -268,12 +269,15 @@ ciera_build_args() {
 # multi-node rendezvous from NNODES / NODE_RANK / MASTER_ADDR / MASTER_PORT (set by SLURM below).
 ciera_launcher() {
     local -a torchrun
+    # TORCHRUN wins; an explicit PYTHON means "that interpreter's torch"; else torchrun on PATH.
     if [[ -n "${TORCHRUN:-}" ]]; then
         read -r -a torchrun <<<"$TORCHRUN"
+    elif [[ -n "${PYTHON:-}" ]]; then
+        torchrun=("$PYTHON" -m torch.distributed.run)
     elif command -v torchrun >/dev/null 2>&1; then
         torchrun=(torchrun)
     else
-        torchrun=("${PYTHON:-python3}" -m torch.distributed.run)
+        torchrun=(python3 -m torch.distributed.run)
     fi
     CIERA_LAUNCHER=("${torchrun[@]}" --nproc-per-node "$GPUS_PER_NODE")
     if ((NNODES == 1)); then
