@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
     g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"], default="aux_loss")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="softmax before top-k (megatron-core requires it for top-1 routing)")
     g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall"], default="allgather")
     g.add_argument("--moe-layer-freq", type=_moe_layer_freq, default=1)
     g.add_argument("--moe-grouped-gemm", action="store_true", help="needs transformer-engine / grouped_gemm")

@@ -83,6 +83,10 @@ def build_train_dataset(args: argparse.Namespace, tokenizer):
         eod_mask_loss=False,
         create_attention_mask=False,
     )
+    # No evaluation loop: the valid/test splits are not built (their documents stay out of
+    # training, as in Megatron-LM). Building them could also hang megatron-core when a small
+    # corpus leaves a split with zero documents.
+    config.split_matrix = [config.split_matrix[0], None, None]
     cls = MockGPTDataset if args.mock_data else GPTDataset
     n = args.train_iters * args.global_batch_size
     train, _, _ = BlendedMegatronDatasetBuilder(cls, [n, 0, 0], lambda: True, config).build()

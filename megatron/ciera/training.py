@@ -99,6 +99,7 @@ def transformer_config(args, vocab_size: int):
         moe = dict(
             num_moe_experts=args.num_experts,
             moe_router_topk=args.moe_router_topk,
+            moe_router_pre_softmax=args.moe_router_pre_softmax,
             moe_ffn_hidden_size=args.moe_ffn_hidden_size or args.ffn_hidden_size,
             moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
             moe_router_load_balancing_type=args.moe_router_load_balancing_type,

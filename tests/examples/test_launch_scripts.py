@@ -76,19 +76,9 @@ def train_script(model: str) -> Path:
     return EXAMPLES / model / f"train_{model}.sh"
 
 
-# Flags the scripts need that pretrain_gpt's parser may not have yet: the test then xfails with
-# the flag's name instead of failing (megatron-core needs pre-softmax for Scout's top-1 routing).
-PENDING_FLAGS = ("--moe-router-pre-softmax",)
-
-
 def _parse(argv: list[str], world: int, monkeypatch):
-    arguments = pytest.importorskip(
-        "megatron.ciera.arguments", reason="megatron/ciera/arguments.py (pretrain_gpt's parser) not there yet"
-    )
-    known = arguments.build_parser()._option_string_actions
-    missing = [flag for flag in PENDING_FLAGS if flag in argv and flag not in known]
-    if missing:
-        pytest.xfail(f"pretrain_gpt's parser does not accept {missing} yet")
+    from megatron.ciera import arguments
+
     monkeypatch.setenv("WORLD_SIZE", str(world))
     try:
         return arguments.parse_args(argv)
