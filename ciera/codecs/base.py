@@ -20,6 +20,7 @@ Invariants every codec keeps:
 from __future__ import annotations
 
 import abc
+import os
 from typing import ClassVar
 
 import torch
@@ -175,4 +176,7 @@ class Codec(abc.ABC):
             if self.backend == "triton":
                 raise RuntimeError(f"{self.name}: backend='triton' but Triton is not importable")
             return False
+        if not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(f"{self.name}: backend='triton' on a {t.device} tensor needs TRITON_INTERPRET=1 "
+                               "set before Triton is imported")
         return True
