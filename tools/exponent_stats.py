@@ -628,13 +628,26 @@ def write_outputs(*, out_dir: Path, result: dict, summary: dict, table: str, met
     """The markdown table, the JSON of every figure and the PNGs; their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     md = out_dir / "exponent_stats.md"
-    md.write_text(f"# Exponent statistics\n\nSource: {meta['source']}\n\n{table}")
+    md.write_text(f"# Exponent statistics\n\nSource: {meta['source']}; code {meta['code_version']}\n\n{table}")
     js = out_dir / "exponent_stats.json"
     js.write_text(json.dumps(_finite({"meta": meta, "types": result["types"], "summary": summary,
                               "iterations": result["iterations"], "skipped": result["skipped"]}),
                              indent=1, allow_nan=False))
     return [md, js, *write_plots(out_dir=out_dir, rows=result["iterations"], summary=summary,
                                  note=interval_note(rows=result["iterations"]), warmup=meta["warmup"])]
+
+
+def code_version() -> str:
+    """``git describe`` of the checkout this tool runs from (codecs evolve; tables should say which
+    ran), or ``unknown`` outside a git checkout."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
 
 
 def _finite(x):
@@ -725,7 +738,8 @@ def main(argv: list[str] | None = None) -> dict:
         meta = {"source": source, "interval": interval_note(rows=result["iterations"]),
                 "intervals": intervals_of(rows=result["iterations"]), "warmup": args.warmup,
                 "block_sizes": list(args.block_sizes), "codecs": args.codecs,
-                "codec_block_size": args.codec_block_size, "dtype": args.dtype or "as stored"}
+                "codec_block_size": args.codec_block_size, "dtype": args.dtype or "as stored",
+                "code_version": code_version(), "torch": torch.__version__}
         for path in write_outputs(out_dir=args.out_dir, result=result, summary=summary, table=table, meta=meta):
             print(f"wrote {path}", file=sys.stderr)
     return summary

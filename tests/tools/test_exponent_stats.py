@@ -203,7 +203,7 @@ def test_cli_on_snapshot_files(es, tmp_path, capsys):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert table in (out / "exponent_stats.md").read_text()
     data = json.loads((out / "exponent_stats.json").read_text())
-    assert data["meta"]["intervals"] == [1]
+    assert data["meta"]["intervals"] == [1] and data["meta"]["code_version"]
     assert [r["iteration"] for r in data["iterations"]] == [101, 102, 103]
     assert set(data["iterations"][0]["types"]) == {"attention", "expert_ffn", "norm", "all"}
 
