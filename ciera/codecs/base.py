@@ -20,12 +20,13 @@ Invariants every codec keeps:
 from __future__ import annotations
 
 import abc
+import importlib
 import os
 from typing import ClassVar
 
 import torch
 
-from .formats import FloatFormat, float_format
+from .formats import FloatFormat, as_bits, float_format
 
 HEADER_BYTES = 32
 ALIGN = 16
@@ -117,18 +118,41 @@ class Codec(abc.ABC):
         """Make ``state`` describe ``shard`` (after a gather that bypassed the codec)."""
 
     # -- coding --------------------------------------------------------------------------------
-    @abc.abstractmethod
+    # A codec's hot loops: module-level ``encode_reference(*, layout, shard_bits, state, out) ->
+    # needed`` and ``decode_reference(*, layout, payload, target_bits)`` in pure torch, and their
+    # Triton twins ``encode_triton`` / ``decode_triton`` with the same signatures in ``kernels``.
+    encode_reference: ClassVar
+    decode_reference: ClassVar
+    kernels: ClassVar[str]
+    layout: object
+
     def encode(self, *, shard: torch.Tensor, state: torch.Tensor | None, out: torch.Tensor) -> None:
         """Encode ``shard`` against ``state`` into ``out`` (uint8, its whole length is the
         capacity) and update ``state`` to ``shard``. Never writes past ``out``; reports overflow
         in the header."""
+        self._check_shard(shard)
+        cap = self._check_out(out)
+        self._check_state(state)
+        needed = self._impl("encode", shard)(layout=self.layout, shard_bits=as_bits(shard), state=state, out=out)
+        write_header(out, codec_id=self.codec_id, needed=needed, capacity=cap)
 
-    @abc.abstractmethod
     def decode(self, *, payload: torch.Tensor, target: torch.Tensor, header: PayloadHeader | None = None) -> None:
         """Rebuild the new shard in place: ``target`` holds the previous values on entry.
 
         ``header``: the payload's header already read on the host (saves a device sync);
         read from ``payload`` when omitted."""
+        self._check_shard(target, "target")
+        self._check_payload(payload, header)
+        self._impl("decode", target)(layout=self.layout, payload=payload, target_bits=as_bits(target))
+
+    def _check_state(self, state) -> None:
+        """Raise when ``state`` is not what :meth:`new_state` returns for this codec."""
+
+    def _impl(self, which: str, t: torch.Tensor):
+        """The reference or, on CUDA (see :meth:`_use_triton`), the Triton twin of ``which``."""
+        if self._use_triton(t):
+            return getattr(importlib.import_module(self.kernels), f"{which}_triton")
+        return getattr(type(self), f"{which}_reference")
 
     # -- helpers for subclasses ----------------------------------------------------------------
     def _check_shard(self, shard: torch.Tensor, what: str = "shard") -> None:

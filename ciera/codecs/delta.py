@@ -60,7 +60,7 @@ from typing import NamedTuple
 
 import torch
 
-from .base import HEADER_BYTES, Codec, PayloadHeader, align_up, write_header
+from .base import HEADER_BYTES, Codec, align_up
 from .formats import FloatFormat, as_bits, from_unsigned, to_unsigned
 from .registry import register_codec
 
@@ -329,7 +329,7 @@ def decode_reference(*, layout: DeltaLayout, payload: torch.Tensor, target_bits:
     if n == 0:
         return
     dev = payload.device
-    I, S, G = layout.index_bytes, layout.high_bytes, layout.group_size
+    I, S = layout.index_bytes, layout.high_bytes
     table = payload[layout.off_table : layout.off_table + layout.n_classes].to(torch.int64)
     raw, count = read_counts(layout, payload)
     u_old = to_unsigned(target_bits)
@@ -368,6 +368,9 @@ class DeltaCodec(Codec):
 
     name = "delta"
     codec_id = 2
+    encode_reference = staticmethod(encode_reference)
+    decode_reference = staticmethod(decode_reference)
+    kernels = "ciera.kernels.delta"
 
     def __init__(self, *, dtype: torch.dtype, numel: int, backend: str = "auto", block_size: int = 128):
         super().__init__(dtype=dtype, numel=numel, backend=backend)
@@ -392,21 +395,7 @@ class DeltaCodec(Codec):
         self._check_shard(shard)
         state.copy_(as_bits(shard))
 
-    def encode(self, *, shard: torch.Tensor, state: torch.Tensor, out: torch.Tensor) -> None:
-        self._check_shard(shard)
-        cap = self._check_out(out)
-        if self._use_triton(shard):
-            from ciera.kernels.delta import encode_triton as encode_impl
-        else:
-            encode_impl = encode_reference
-        needed = encode_impl(layout=self.layout, shard_bits=as_bits(shard), state=state, out=out)
-        write_header(out, codec_id=self.codec_id, needed=needed, capacity=cap)
-
-    def decode(self, *, payload: torch.Tensor, target: torch.Tensor, header: PayloadHeader | None = None) -> None:
-        self._check_shard(target, "target")
-        self._check_payload(payload, header)
-        if self._use_triton(target):
-            from ciera.kernels.delta import decode_triton as decode_impl
-        else:
-            decode_impl = decode_reference
-        decode_impl(layout=self.layout, payload=payload, target_bits=as_bits(target))
+    def _check_state(self, state) -> None:
+        if state is None or state.dtype != self.fmt.bits_dtype or state.numel() != self.numel:
+            raise ValueError(f"delta: state must be the {self.fmt.bits_dtype} bit patterns of {self.numel} values "
+                             "(from new_state)")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import HEADER_BYTES, Codec, PayloadHeader, align_up, write_header
+from .base import HEADER_BYTES, Codec, align_up
 from .bitpack import pack_bits, unpack_bits
 from .formats import FloatFormat, as_bits
 from .registry import register_codec
@@ -168,6 +168,9 @@ class ExponentReuseCodec(Codec):
 
     name = "exponent_reuse"
     codec_id = 1
+    encode_reference = staticmethod(encode_reference)
+    decode_reference = staticmethod(decode_reference)
+    kernels = "ciera.kernels.exponent_reuse"
 
     def __init__(self, *, dtype: torch.dtype, numel: int, backend: str = "auto", block_size: int = 8):
         super().__init__(dtype=dtype, numel=numel, backend=backend)
@@ -194,24 +197,7 @@ class ExponentReuseCodec(Codec):
         exp8, _ = _native_fields(self.fmt, as_bits(shard))
         state.copy_(exp8)
 
-    def encode(self, *, shard: torch.Tensor, state: torch.Tensor, out: torch.Tensor) -> None:
-        self._check_shard(shard)
-        cap = self._check_out(out)
+    def _check_state(self, state) -> None:
         if state is None or state.dtype != torch.uint8 or state.numel() != self.numel:
             raise ValueError(f"exponent_reuse: state must be the uint8 exponents of {self.numel} values "
                              "(from new_state)")
-        if self._use_triton(shard):
-            from ciera.kernels.exponent_reuse import encode_triton as encode_impl
-        else:
-            encode_impl = encode_reference
-        needed = encode_impl(layout=self.layout, shard_bits=as_bits(shard), state=state, out=out)
-        write_header(out, codec_id=self.codec_id, needed=needed, capacity=cap)
-
-    def decode(self, *, payload: torch.Tensor, target: torch.Tensor, header: PayloadHeader | None = None) -> None:
-        self._check_shard(target, "target")
-        self._check_payload(payload, header)
-        if self._use_triton(target):
-            from ciera.kernels.exponent_reuse import decode_triton as decode_impl
-        else:
-            decode_impl = decode_reference
-        decode_impl(layout=self.layout, payload=payload, target_bits=as_bits(target))

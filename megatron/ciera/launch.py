@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from ciera.testing import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TABLE_TOTAL = re.compile(r"^total\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x", re.M)
@@ -39,12 +39,6 @@ class RunResult:
         block = text[i:].splitlines()
         end = next((n for n, line in enumerate(block) if line.startswith("total")), len(block) - 1)
         return "\n".join(block[: end + 1])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_pretrain(flags: list[str], nproc: int = 2, timeout: float = 300, threads_per_rank: int = 1,

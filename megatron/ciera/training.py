@@ -17,14 +17,12 @@ every iteration and the same ``params sha256`` at the end, with or without CIERA
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import random
 import sys
 import time
 import warnings
-from contextlib import nullcontext
 
 import numpy as np
 import torch

@@ -8,13 +8,14 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from ciera.testing import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -94,20 +95,11 @@ print(json.dumps({"total": sum(p.numel() for p in model.parameters()),
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # DeepSeek (dense first layer, shared experts) runs by default; the rest with --runslow.
 @pytest.mark.parametrize(
     "model", [m if m == "deepseek" else pytest.param(m, marks=pytest.mark.slow) for m in MODELS]
 )
 def test_count_matches_the_model_pretrain_gpt_builds(model):
-    if not (ROOT / "pretrain_gpt.py").exists():
-        pytest.skip("pretrain_gpt.py has not landed yet")
-    from megatron.ciera import arguments
     env = {k: v for k, v in os.environ.items() if k not in ("FULL_DEPTH", "CIERA", "DATA_PATH", "TOKENIZER",
                                                              "NUM_LAYERS", "VOCAB_SIZE", "EP")}
     proc = subprocess.run(["bash", str(EXAMPLES / model / f"train_{model}.sh")],
@@ -118,7 +110,7 @@ def test_count_matches_the_model_pretrain_gpt_builds(model):
     proc = subprocess.run(
         [sys.executable, "-c", _COUNT_IN_MEGATRON, json.dumps(argv)],
         env=dict(os.environ, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                 MASTER_PORT=str(_free_port()), PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore"),
+                 MASTER_PORT=str(free_port()), PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore"),
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

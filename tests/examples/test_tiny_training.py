@@ -88,11 +88,9 @@ def test_tiny_trains_on_preprocessed_byte_data(tmp_path):
 def test_two_node_launch_on_localhost_matches_one_node(tmp_path):
     """The multi-node path (static rendezvous, NODE_RANK) as srun would run it, with two 'nodes'
     of one rank each on this machine: the same run as one node with two ranks."""
-    import socket
+    from ciera.testing import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(free_port())
     one_node_sha, _, _ = train_tiny("olmoe", "1", tmp_path)
     env = dict(os.environ, TINY="1", CIERA="1", NNODES="2", GPUS_PER_NODE="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=port, PYTHON=sys.executable, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")

@@ -3,7 +3,6 @@
 import dataclasses
 import math
 import os
-import socket
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from ciera.cost_model import (
     CodecEstimate, CodecSpeed, Decision, Ewma, LinkModel, TwoLevelLink, agree, decide, fit_latency_bandwidth,
     measure_codec_speed, measure_link, predict_compressed,
 )
+from ciera.testing import free_port
 
 GB = 1e9
 FAST_NVLINK = LinkModel(bandwidth_bytes_per_s=300 * GB, latency_s=5e-6)
@@ -205,12 +205,6 @@ def test_measure_codec_speed_smoke():
 
 
 # -- rank-identical decisions on gloo ------------------------------------------------------------------
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank, world, port, q):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -234,7 +228,7 @@ def test_decisions_identical_across_gloo_ranks():
     world = 2
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, q)) for r in range(world)]
     for p in procs:
         p.start()

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -53,6 +52,7 @@ from tools.sim.timeline import simulate_iteration  # noqa: E402
 from tools.sim.trace import (  # noqa: E402
     CLUSTER_SCHEMA, TRACE_SCHEMA, cluster_from_dict, save_json, trace_from_dict,
 )
+from ciera.testing import free_port  # noqa: E402
 
 
 def _calibrate(a: torch.Tensor, c: torch.Tensor, reps: int = 50) -> float:
@@ -177,17 +177,11 @@ def _record(rank: int, world: int, cfg: dict) -> dict:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_world(world: int, cfg: dict) -> dict:
     """Spawn ``world`` gloo ranks, record, return rank 0's (agreed) figures."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, cfg, q)) for r in range(world)]
     for p in procs:
         p.start()
