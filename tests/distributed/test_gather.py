@@ -59,7 +59,7 @@ def _many_trajectories_worker(rank, world, cases, steps, shard):
 @pytest.mark.parametrize("world", [2, 4])
 def test_trajectory_small(world):
     cases = [(codec, adv) for codec in CODECS for adv in (False, True)]
-    steps = 40
+    steps = 300
     results = run_on_ranks(_many_trajectories_worker, world=world, args=(cases, steps, 1031))
     for i, (_, adv) in enumerate(cases):
         _check([r[i] for r in results], steps, adv)
