@@ -18,10 +18,10 @@ SELECTIONS = ("auto", "always", "never")
 class CieraConfig:
     """How one bucket's parameter all-gather is compressed. Defaults suit bf16 MoE training."""
 
-    codec: str = "exponent_reuse"
+    codec: str = "auto"
     """Codec for compressed gathers: ``raw``, ``exponent_reuse``, ``delta``, or ``auto`` (the cost
-    model picks per bucket among the concrete codecs). ``raw`` never compresses: every gather is a
-    plain ``all_gather_into_tensor``."""
+    model picks per bucket among the concrete codecs from measured speeds and payload sizes).
+    ``raw`` never compresses: every gather is a plain ``all_gather_into_tensor``."""
 
     block_size: int = 8
     """Values per block for ``exponent_reuse``: a block whose exponents changed resends all its
@@ -38,10 +38,10 @@ class CieraConfig:
     """Gathers sent raw after construction and after every :meth:`CieraAllGather.invalidate`.
     At least 1: the first gather has no previous values to reuse."""
 
-    selection: str = "always"
-    """``always`` compresses every gather after warmup; ``never`` sends raw (useful as a baseline
-    that still exercises the code path); ``auto`` lets the cost model decide per bucket from
-    measured link and codec speeds."""
+    selection: str = "auto"
+    """``auto`` lets the cost model decide per bucket, from the measured link and codec speeds,
+    whether compressing pays (a bucket where it loses is sent raw); ``always`` compresses every
+    gather after warmup; ``never`` sends raw (a baseline that still exercises the code path)."""
 
     initial_capacity: float = 0.75
     """First compressed payload capacity as a fraction of the codec's worst case (clamped to at

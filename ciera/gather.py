@@ -35,7 +35,7 @@ import torch.distributed as dist
 from .codecs import HEADER_BYTES, Codec, PayloadHeader, make_codec, read_headers
 from .codecs.formats import FORMATS, as_bits, float_format
 from .config import CieraConfig
-from .selection import Selector
+from .selection import Measurements, Selector
 from .stats import GatherStats, SectionTimer
 
 logger = logging.getLogger(__name__)
@@ -84,15 +84,16 @@ class CieraAllGather:
         config: a :class:`CieraConfig`; must be equal on every rank of ``group``.
         name: used in logs and error messages (e.g. ``"expert.bucket3"``).
 
-        link: with ``selection='auto'``, the group's measured link (``ciera.cost_model.measure_link``;
-            share one per group); measured here when omitted.
+        measurements: a :class:`ciera.selection.Measurements` shared by the gathers of ``group``,
+            so that the link and the codec speeds the cost model needs are measured once per group
+            (``selection='auto'`` or ``codec='auto'``); a private one when omitted.
 
     Construction is collective over ``group``: it checks that every rank passed the same config,
     dtype and size, and fails with a clear error otherwise.
     """
 
     def __init__(self, buffer: torch.Tensor, *, group=None, config: CieraConfig | None = None,
-                 name: str = "bucket", link=None):
+                 name: str = "bucket", measurements: Measurements | None = None):
         config = CieraConfig() if config is None else config
         if not isinstance(config, CieraConfig):
             raise TypeError(f"{name}: config must be a CieraConfig, got {type(config).__name__}")
@@ -126,7 +127,9 @@ class CieraAllGather:
         self._started = 0
         self._prepared: tuple[str, int, object] | None = None  # (mode, capacity, cuda event)
         self._side_stream = None
-        self.selector = Selector(self, link=link) if self._codecs and config.selection == "auto" else None
+        decides = config.selection == "auto" or len(self._codecs) > 1
+        self.selector = (Selector(self, measurements=measurements or Measurements())
+                         if self._codecs and decides else None)
 
     # -- public API ------------------------------------------------------------------------------
     def prepare(self) -> None:

@@ -1,6 +1,7 @@
 """Benefit-driven selection: per bucket, raw or which codec, from measurement.
 
-Every ``reevaluate_interval`` gathers the selector of a bucket:
+A bucket gets a selector with ``selection='auto'`` (raw or a codec) and with ``codec='auto'``
+under ``selection='always'`` (which codec; never raw). Every ``reevaluate_interval`` gathers it:
 
 1. one gather earlier, keeps a copy of the shard as it is sent (the values every receiver will hold);
 2. at the decision gather, encodes the new shard with every candidate codec against that copy
@@ -32,23 +33,51 @@ logger = logging.getLogger(__name__)
 _PROBE_NUMEL = 1 << 20  # synthetic speed measurement size cap: throughput, not latency
 
 
-class Selector:
-    """Decides raw vs codec for one :class:`ciera.CieraAllGather` (``selection='auto'``)."""
+class Measurements:
+    """Link and codec-speed measurements shared by the gathers of one process group.
 
-    def __init__(self, gather: "CieraAllGather", *, link=None):
+    Each figure is measured once, collectively and rank-agreed, by the first gather that needs it;
+    later gathers reuse it. Keep one instance per group (every rank builds its gathers in the same
+    order, so every rank measures at the same point) and pass it to each ``CieraAllGather``.
+    """
+
+    def __init__(self, *, link: cm.Link | None = None):
+        self.link = link
+        """The group's link model; measured by the first selector when ``None``."""
+        self.codec_seconds_per_byte: dict[tuple, tuple[float, float]] = {}
+        """(codec, dtype, block size, device type) -> agreed (encode, decode) seconds per raw byte."""
+
+    def link_for(self, *, group, device) -> cm.Link:
+        if self.link is None:
+            self.link = cm.measure_link(group=group, device=device)
+        return self.link
+
+    def codec_for(self, *, codec, group, device) -> tuple[float, float]:
+        from .codecs import make_codec
+
+        block = getattr(codec, "block_size", None)
+        key = (codec.name, codec.dtype, block, torch.device(device).type)
+        if key not in self.codec_seconds_per_byte:
+            probe = make_codec(codec.name, dtype=codec.dtype, numel=min(codec.numel, _PROBE_NUMEL) or 1,
+                               block_size=block)
+            sp = cm.measure_codec_speed(codec=probe, device=device)
+            enc, dec = cm.agree(values=[1 / sp.encode_bytes_per_s, 1 / sp.decode_bytes_per_s],
+                                group=group, device=device)
+            self.codec_seconds_per_byte[key] = (enc, dec)
+        return self.codec_seconds_per_byte[key]
+
+
+class Selector:
+    """Decides raw vs codec (and which codec) for one :class:`ciera.CieraAllGather`."""
+
+    def __init__(self, gather: "CieraAllGather", *, measurements: Measurements):
         self.gather = gather
         cfg = gather.config
         dev = gather.buffer.device
-        self.link = link if link is not None else cm.measure_link(group=gather.group, device=dev)
+        self.link = measurements.link_for(group=gather.group, device=dev)
         self.speeds: dict[str, tuple[cm.Ewma, cm.Ewma]] = {}
         for name, codec in gather._codecs.items():
-            from .codecs import make_codec
-
-            probe = make_codec(name, dtype=codec.dtype, numel=min(codec.numel, _PROBE_NUMEL) or 1,
-                               block_size=getattr(codec, "block_size", None))
-            sp = cm.measure_codec_speed(codec=probe, device=dev)
-            enc, dec = cm.agree(values=[1 / sp.encode_bytes_per_s, 1 / sp.decode_bytes_per_s],
-                                group=gather.group, device=dev)
+            enc, dec = measurements.codec_for(codec=codec, group=gather.group, device=dev)
             self.speeds[name] = (cm.Ewma().update(enc), cm.Ewma().update(dec))
         self.decide_at = cfg.warmup_gathers
         self.snapshot: torch.Tensor | None = None
@@ -89,7 +118,7 @@ class Selector:
         d = cm.decide(raw_bytes_per_rank=raw_b, world=g.world, link=self.link, candidates=candidates,
                       current=current, hysteresis=cfg.hysteresis)
         choice = d.choice
-        if choice == cm.RAW and cfg.selection == "always":  # pragma: no cover - selector only for auto
+        if choice == cm.RAW and cfg.selection == "always":  # codec='auto': choose among codecs only
             choice = min(candidates, key=lambda c: d.times[c.name]).name
         self.decision, self.decisions = d, self.decisions + 1
         if choice != current:

@@ -2,7 +2,8 @@
 
 Trains a tiny GPT-MoE (2 layers, hidden 64, 4 experts top-2, bf16, distributed optimizer with
 overlapped parameter gather) on 2 CPU ranks (gloo) twice: with Megatron's all-gather and with
-``--ciera-allgather``. Then compares every iteration's loss and the final parameters exactly and
+``--ciera-allgather --ciera-selection always`` (on a CPU the default cost model would keep every
+bucket raw: the pure-torch codecs are slower than gloo's loopback copy). Then compares every iteration's loss and the final parameters exactly and
 reports the all-gather bytes.
 
     python examples/cpu_demo.py                 # ~1-2 minutes on 2 cores
@@ -51,7 +52,9 @@ def main(argv=None) -> int:
     common = [*MODEL, *TRAINING, "--lr", a.lr, "--min-lr", a.lr, "--seed", a.seed,
               "--train-iters", str(a.iters), "--log-interval", str(a.log_interval)]
     runs = {}
-    ciera_flags = ["--ciera-allgather"] + (["--ciera-codec", a.codec] if a.codec else [])
+    # --ciera-selection always: on a CPU the reference codecs are slower than gloo's loopback copy,
+    # so the default cost model (auto) would send every bucket raw; the demo shows the compression.
+    ciera_flags = ["--ciera-allgather", "--ciera-selection", "always"] + (["--ciera-codec", a.codec] if a.codec else [])
     for label, extra in (("megatron all-gather", []), (" ".join(ciera_flags), ciera_flags)):
         print(f"=== {label}: 2 gloo ranks, {a.iters} iterations ===", flush=True)
         t0 = time.time()

@@ -36,7 +36,7 @@ def _worker(rank, world, numel, codecs, lr, warmup, steps, device_type):
     shard = numel // world
     traj = AdamTrajectory(numel=shard, lr=lr, seed=rank, device=device)
     plain = torch.zeros(numel, dtype=torch.bfloat16, device=device)
-    gathers = {c: CieraAllGather(torch.zeros_like(plain), config=CieraConfig(codec=c), name=c) for c in codecs}
+    gathers = {c: CieraAllGather(torch.zeros_like(plain), config=CieraConfig(codec=c, selection="always"), name=c) for c in codecs}
     times = {c: [] for c in ["plain", *codecs]}
 
     def timed(fn):

@@ -21,7 +21,7 @@ def _trajectory_worker(rank, world, codec, dtype, steps, shard, adversarial, lr)
     ref = torch.zeros_like(buf)
     traj = AdamTrajectory(numel=shard, dtype=dtype, lr=lr, seed=100 + rank)
     gen = torch.Generator().manual_seed(rank)
-    gather = CieraAllGather(buf, config=CieraConfig(codec=codec, verify_interval=25), name=f"{codec}-b0")
+    gather = CieraAllGather(buf, config=CieraConfig(codec=codec, selection="always", verify_interval=25), name=f"{codec}-b0")
     x = traj.current()
     for step in range(steps):
         x = traj.step()
@@ -122,7 +122,7 @@ def test_bad_input_is_a_clear_error():
 def _stale_cache_worker(rank, world, invalidate):
     buf = torch.zeros(64 * world, dtype=torch.bfloat16)
     traj = AdamTrajectory(numel=64, seed=rank)
-    gather = CieraAllGather(buf, config=CieraConfig(verify_interval=1))
+    gather = CieraAllGather(buf, config=CieraConfig(codec="exponent_reuse", selection="always", verify_interval=1))
     for _ in range(3):
         buf.view(world, -1)[rank].copy_(traj.step())
         gather.start().wait()
@@ -171,7 +171,7 @@ def _stats_worker(rank, world):
     """Wire bytes equal the sizes of the collectives actually issued."""
     buf = torch.zeros(4096 * world, dtype=torch.bfloat16)
     traj = AdamTrajectory(numel=4096, seed=rank)
-    gather = CieraAllGather(buf, config=CieraConfig())
+    gather = CieraAllGather(buf, config=CieraConfig(codec="exponent_reuse", selection="always"))
     expected = 0
     for _ in range(12):
         buf.view(world, -1)[rank].copy_(traj.step())

@@ -8,21 +8,22 @@ import torch.distributed as dist
 from ciera import CieraAllGather, CieraConfig
 from ciera.codecs import as_bits
 from ciera.cost_model import LinkModel
+from ciera.selection import Measurements
 from ciera.testing import run_on_ranks
 from ciera.trajectory import AdamTrajectory, adversarial_step
 
 pytestmark = pytest.mark.distributed
 
 
-def _worker(rank, world, bandwidth, codec, steps):
+def _worker(rank, world, bandwidth, codec, steps, selection="auto"):
     n = 4096 * world
     buf = torch.zeros(n, dtype=torch.bfloat16)
     ref = torch.zeros_like(buf)
     traj = AdamTrajectory(numel=n // world, seed=rank)
     gen = torch.Generator().manual_seed(rank)
     link = LinkModel(bandwidth_bytes_per_s=bandwidth, latency_s=1e-5)
-    gather = CieraAllGather(buf, link=link, name="b0",
-                            config=CieraConfig(codec=codec, selection="auto", reevaluate_interval=7))
+    gather = CieraAllGather(buf, measurements=Measurements(link=link), name="b0",
+                            config=CieraConfig(codec=codec, selection=selection, reevaluate_interval=7))
     modes = []
     for step in range(steps):
         x = traj.step()
@@ -50,3 +51,10 @@ def test_slow_link_compresses_fast_link_does_not(world):
 def test_single_codec_auto_can_still_choose_raw():
     runs = run_on_ranks(_worker, world=2, args=(1e13, "exponent_reuse", 16))
     assert runs[0][0][-1] is None
+
+
+def test_auto_codec_under_always_never_sends_raw():
+    """codec='auto' with selection='always': the cost model picks the codec, raw is not an option."""
+    runs = run_on_ranks(_worker, world=2, args=(1e13, "auto", 16, "always"))
+    assert all(r[0] == runs[0][0] for r in runs)
+    assert all(m in ("exponent_reuse", "delta") for m in runs[0][0]) and runs[0][1].ratio > 1.2

@@ -33,7 +33,8 @@ def train_tiny(model: str, ciera: str, tmp_path: Path, **env: str) -> tuple[str,
                 "GPUS_PER_NODE", "EP", "TP", "PP", "MICRO_BATCH", "GLOBAL_BATCH", "TRAIN_ITERS",
                 "NUM_LAYERS", "SEQ_LENGTH", "TORCHRUN"):
         full_env.pop(var, None)
-    full_env.update(TINY="1", CIERA=ciera, PYTHON=sys.executable, OMP_NUM_THREADS="1",
+    # CIERA_SELECTION=always: on CPU the cost model would send every bucket raw.
+    full_env.update(TINY="1", CIERA=ciera, CIERA_SELECTION="always", PYTHON=sys.executable, OMP_NUM_THREADS="1",
                     PYTHONWARNINGS="ignore", **env)
     proc = subprocess.run(
         ["bash", str(EXAMPLES / model / f"train_{model}.sh"), "--ciera-loss-log", str(loss_log)],

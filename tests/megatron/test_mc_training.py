@@ -24,7 +24,10 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", 
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "255", "--micro-batch-size", "2", "--seed", "1234",
         "--device", "cpu", "--log-interval", "2"]
 OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "20000"]
-CIERA = ["--ciera-allgather", "--ciera-warmup-iters", "2"]
+# selection 'always': on CPU the cost model would (rightly) send every bucket raw, and these tests
+# are about the compressed path being bit-exact.
+CIERA = ["--ciera-allgather", "--ciera-selection", "always", "--ciera-codec", "exponent_reuse",
+         "--ciera-warmup-iters", "2"]
 ITERS = 6
 SNAPSHOTS = tempfile.mkdtemp(prefix="ciera-snapshots-")
 
@@ -55,6 +58,9 @@ def test_sync_gather_is_bit_identical():
     assert "lm loss:" in lines[0] and "grad norm:" in lines[0] and "ciera raw/wire" not in base.output
     summary = ciera.summary_block()
     assert "dense0.bucket0" in summary and f"{ITERS:7d}" in summary  # one gather per step
+    row = next(line for line in summary.splitlines() if line.startswith("dense0.bucket0")).split()
+    gathers, raw_gathers, codec = int(row[-4]), int(row[-3]), row[-1]
+    assert (gathers, raw_gathers, codec) == (ITERS, 2, "exponent_reuse")  # warmup raw, then compressed
 
 
 def test_overlapped_gather_is_bit_identical():
@@ -91,7 +97,8 @@ def test_checkpoint_resume_matches_uninterrupted_run(tmp_path):
 def test_longer_run_with_microbatches_each_codec(codec):
     flags = ("--lr", "1e-4", "--ciera-warmup-iters", "1")
     base = run(*flags, iters=40, gbs=16)
-    ciera = run(*flags, "--ciera-allgather", "--ciera-codec", codec, iters=40, gbs=16)
+    ciera = run(*flags, "--ciera-allgather", "--ciera-codec", codec, "--ciera-selection", "always",
+                iters=40, gbs=16)
     assert_identical(base, ciera)
 
 
