@@ -94,6 +94,9 @@ class _GroupState:
     name: str
     config: object
     make_gather: Callable
+    measurements: dict
+    """Process group -> ``ciera.selection.Measurements``, shared by every bucket group of one
+    :func:`install`, so link and codec speeds are measured once per group."""
     gathers: list = field(default_factory=list)
 
 
@@ -115,8 +118,13 @@ def _start_param_sync(bucket_group, force_sync: bool = False):
 
     if not state.gathers:
         group = bucket_group.intra_distributed_optimizer_instance_group
+        if group not in state.measurements:
+            from ciera.selection import Measurements
+
+            state.measurements[group] = Measurements()
         state.gathers = [
-            state.make_gather(bucket.param_data, group=group, config=state.config, name=f"{state.name}.bucket{i}")
+            state.make_gather(bucket.param_data, group=group, config=state.config, name=f"{state.name}.bucket{i}",
+                              measurements=state.measurements[group])
             for i, bucket in enumerate(bucket_group.buckets)
         ]
     handle = _GroupHandle([gather.start() for gather in state.gathers])
@@ -147,7 +155,7 @@ def install(ddp_models: Iterable, config, optimizer_config=None, make_gather: Ca
     if make_gather is None:
         from ciera import CieraAllGather as make_gather
     log = log or logger.warning
-    installed, fallbacks = 0, {}
+    installed, fallbacks, measurements = 0, {}, {}
     for chunk, ddp_model in enumerate(ddp_models):
         for name, bucket_group in _bucket_groups(ddp_model):
             if hasattr(bucket_group, "_ciera"):
@@ -157,7 +165,7 @@ def install(ddp_models: Iterable, config, optimizer_config=None, make_gather: Ca
                 fallbacks.setdefault(reason, []).append(name)
                 continue
             prefix = name if chunk == 0 else f"chunk{chunk}.{name}"
-            bucket_group._ciera = _GroupState(prefix, config, make_gather)
+            bucket_group._ciera = _GroupState(prefix, config, make_gather, measurements)
             # An instance attribute shadows the class method: finish_param_sync, the prefetch
             # chain and DDP.start_param_sync all call self.start_param_sync and reach this.
             bucket_group.start_param_sync = _start_param_sync.__get__(bucket_group)

@@ -27,8 +27,9 @@ class FakeGather:
 
     log = []
 
-    def __init__(self, buffer, *, group, config, name):
+    def __init__(self, buffer, *, group, config, name, measurements=None):
         self.buffer, self.group, self.config, self.name = buffer, group, config, name
+        self.measurements = measurements
         self.invalidations = 0
         FakeGather.log.append(("init", name))
 
@@ -187,3 +188,13 @@ def _single_rank(group):
 def _no_distopt(group):
     group.ddp_config.use_distributed_optimizer = False
     return group
+
+
+def test_bucket_groups_of_one_process_group_share_measurements():
+    a, b, other = make_group(n_buckets=2), make_group(n_buckets=1), make_group(n_buckets=1)
+    b.intra_distributed_optimizer_instance_group = a.intra_distributed_optimizer_instance_group
+    binding.install([fake_ddp(a, b, expert=[other])], config="cfg", make_gather=FakeGather)
+    for bg in (a, b, other):
+        bg.start_param_sync()
+    shared = {id(g.measurements) for bg in (a, b) for g in bg._ciera.gathers}
+    assert len(shared) == 1 and id(other._ciera.gathers[0].measurements) not in shared
