@@ -388,8 +388,8 @@ def measure_link(*, group=None, device="cpu", sizes: Sequence[int] = DEFAULT_LIN
     import torch
     import torch.distributed as dist
 
-    # torch 2.13 renamed all_gather_into_tensor to all_gather_single (same semantics)
-    gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    from .comm import all_gather_into
+
     world = dist.get_world_size(group)
     if world == 1:
         return LinkModel(bandwidth_bytes_per_s=1e30, latency_s=0.0)
@@ -402,7 +402,7 @@ def measure_link(*, group=None, device="cpu", sizes: Sequence[int] = DEFAULT_LIN
             dist.barrier(group=group)
             _sync(device)
             t0 = time.perf_counter()
-            gather_into(dst, src, group=group)
+            all_gather_into(dst, src, group=group)
             _sync(device)
             if i >= warmup:
                 best = min(best, time.perf_counter() - t0)

@@ -34,14 +34,12 @@ import torch.distributed as dist
 
 from .codecs import HEADER_BYTES, Codec, PayloadHeader, make_codec, read_headers
 from .codecs.formats import FORMATS, as_bits, float_format
+from .comm import all_gather_into
 from .config import CieraConfig
 from .selection import Measurements, Selector
 from .stats import GatherStats, SectionTimer
 
 logger = logging.getLogger(__name__)
-
-# torch 2.13 renamed all_gather_into_tensor to all_gather_single (same semantics, old name warns).
-_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 _DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(FORMATS)}
 _CONCRETE_CODECS = ("exponent_reuse", "delta")
@@ -170,17 +168,17 @@ class CieraAllGather:
         mode, capacity, event = self._prepared
         self._prepared = None
         if self.world == 1:
-            self._account(raw=True, wire=self.buffer.numel() * self.buffer.element_size())
+            self._account(raw=True, wire=self._raw_bucket_bytes())
             return _DoneHandle()
         try:
             launched = time.perf_counter()
             if event is not None:
                 torch.cuda.current_stream(self.buffer.device).wait_event(event)
             if mode == "raw":
-                work = _all_gather_into(self.buffer, self._shard, group=self.group, async_op=True)
+                work = all_gather_into(self.buffer, self._shard, group=self.group, async_op=True)
             else:
                 send, recv = self._payload_buffers(capacity)
-                work = _all_gather_into(recv, send, group=self.group, async_op=True)
+                work = all_gather_into(recv, send, group=self.group, async_op=True)
         except BaseException:
             self.invalidate()
             raise
@@ -250,7 +248,7 @@ class CieraAllGather:
             dtype=torch.int64, device=self.buffer.device,
         )
         everyone = torch.empty(self.world * mine.numel(), dtype=torch.int64, device=self.buffer.device)
-        _all_gather_into(everyone, mine, group=self.group)
+        all_gather_into(everyone, mine, group=self.group)
         rows = everyone.view(self.world, -1).cpu().tolist()
         fields = ("config", "dtype", "numel", "group size")
         for r, row in enumerate(rows):
@@ -345,7 +343,7 @@ class CieraAllGather:
             # Every rank sees the same headers, so every rank takes this branch together.
             logger.debug("%s: payload overflow on ranks %s (needed %s B, capacity %s B): raw round",
                          self.name, overflowed, max(needed), capacity)
-            _all_gather_into(self.buffer, self._shard, group=self.group)
+            all_gather_into(self.buffer, self._shard, group=self.group)
             wire += self._raw_bucket_bytes()
             self._stats.overflows += 1
         else:
@@ -404,7 +402,7 @@ def verify_replicas(buffer: torch.Tensor, *, group=None, name: str = "bucket") -
     world = dist.get_world_size(group)
     mine = shard_checksums(buffer, world)
     everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=buffer.device)
-    _all_gather_into(everyone, mine.reshape(-1), group=group)
+    all_gather_into(everyone, mine.reshape(-1), group=group)
     table = everyone.view(world, world, 2).cpu()
     for shard in range(world):
         owner_view = table[shard, shard]

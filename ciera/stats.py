@@ -69,17 +69,6 @@ class GatherStats:
                 setattr(out, f.name, getattr(self, f.name) - getattr(earlier, f.name))
         return out
 
-    def plus(self, other: "GatherStats") -> "GatherStats":
-        """Sum of two counters (for totals over buckets); codec names are joined when they differ."""
-        out = dataclasses.replace(self)
-        for f in dataclasses.fields(self):
-            if f.name == "codec":
-                names = sorted(set(self.codec.split("+")) | set(other.codec.split("+")))
-                out.codec = "+".join(names)
-            else:
-                setattr(out, f.name, getattr(self, f.name) + getattr(other, f.name))
-        return out
-
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["ratio"] = self.ratio
