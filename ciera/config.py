@@ -43,21 +43,10 @@ class CieraConfig:
     whether compressing pays (a bucket where it loses is sent raw); ``always`` compresses every
     gather after warmup; ``never`` sends raw (a baseline that still exercises the code path)."""
 
-    initial_capacity: float = 0.75
-    """First compressed payload capacity as a fraction of the codec's worst case (clamped to at
-    least its fixed part). Capacity then follows observed payloads."""
-
-    capacity_headroom: float = 1.1
-    """Capacity = headroom x the largest payload any rank needed over the last
-    ``capacity_window`` gathers. Larger means fewer overflows (each costs a raw round) and more
-    padding on the wire; payload sizes of large shards move by far less than 10% per step."""
-
-    capacity_window: int = 8
-    """Number of recent gathers whose largest payload sets the capacity."""
-
     verify_interval: int = 0
-    """Every N gathers, compare per-shard checksums of the gathered buffer across ranks and raise
-    on any mismatch, naming the bucket and ranks. 0 disables."""
+    """Every N gathers, compare a 64-bit hash of each shard of the gathered buffer across ranks
+    (non-linear, salted per check: any change is caught but with probability ~2^-64) and raise on
+    any mismatch, naming the bucket and ranks. 0 disables."""
 
     reevaluate_interval: int = 50
     """With ``selection='auto'``: gathers between re-decisions of the cost model."""
@@ -80,12 +69,6 @@ class CieraConfig:
                 bad(f"{name}={v} must be a power of two in [{lo}, {hi}]")
         if self.warmup_gathers < 1:
             bad(f"warmup_gathers={self.warmup_gathers} must be >= 1 (the first gather is always raw)")
-        if not 0.0 < self.initial_capacity <= 1.0:
-            bad(f"initial_capacity={self.initial_capacity} must be in (0, 1]")
-        if self.capacity_headroom < 1.0:
-            bad(f"capacity_headroom={self.capacity_headroom} must be >= 1.0")
-        if self.capacity_window < 1:
-            bad(f"capacity_window={self.capacity_window} must be >= 1")
         if self.verify_interval < 0:
             bad(f"verify_interval={self.verify_interval} must be >= 0")
         if self.reevaluate_interval < 1:

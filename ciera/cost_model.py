@@ -240,19 +240,28 @@ def predict_raw(*, raw_bytes_per_rank: float, world: int, link: Link) -> Predict
     return Prediction(RAW, float(raw_bytes_per_rank), 0.0, comm, 0.0, comm)
 
 
+def agreement_time(*, link: Link, world: int, buckets: int = 1) -> float:
+    """Cost of the per-step size agreement charged to each of ``buckets`` compressed buckets of a
+    group: one all-gather of 16 bytes per bucket and rank (latency-bound), shared by the buckets."""
+    return link.allgather_time(bytes_per_rank=16 * max(buckets, 1), world=world) / max(buckets, 1)
+
+
 def predict_compressed(*, raw_bytes_per_rank: float, world: int, link: Link, estimate: CodecEstimate,
-                       overlapped_encode: bool = False) -> Prediction:
-    """Predicted cost of a compressed all-gather with ``estimate``'s codec."""
+                       overlapped_encode: bool = False, agreement_s: float = 0.0) -> Prediction:
+    """Predicted cost of a compressed all-gather with ``estimate``'s codec: encode (unless
+    overlapped), this bucket's share ``agreement_s`` of the size agreement, the collective of the
+    exact payloads (``wire_ratio`` of raw per rank) and the batched decode of ``world - 1`` of them."""
     wire = estimate.wire_ratio * raw_bytes_per_rank
     enc = raw_bytes_per_rank / estimate.speed.encode_bytes_per_s
-    comm = link.allgather_time(bytes_per_rank=wire, world=world)
+    comm = link.allgather_time(bytes_per_rank=wire, world=world) + agreement_s
     dec = max(world - 1, 0) * raw_bytes_per_rank / estimate.speed.decode_bytes_per_s
     total = comm + dec + (0.0 if overlapped_encode else enc)
     return Prediction(estimate.name, wire, enc, comm, dec, total)
 
 
 def decide(*, raw_bytes_per_rank: int, world: int, link: Link, candidates: Sequence[CodecEstimate],
-           current: str | None = None, hysteresis: float = 0.1, overlapped_encode: bool = False) -> Decision:
+           current: str | None = None, hysteresis: float = 0.1, overlapped_encode: bool = False,
+           agreement_s: float = 0.0) -> Decision:
     """Choose ``raw`` or one of ``candidates`` for a bucket; deterministic in its inputs.
 
     The fastest predicted mode wins (ties go to raw, then to the earlier candidate). When ``current``
@@ -268,7 +277,8 @@ def decide(*, raw_bytes_per_rank: int, world: int, link: Link, candidates: Seque
         raise ValueError(f"decide: hysteresis={hysteresis} must be >= 0")
     preds = [predict_raw(raw_bytes_per_rank=raw_bytes_per_rank, world=world, link=link)]
     preds += [predict_compressed(raw_bytes_per_rank=raw_bytes_per_rank, world=world, link=link, estimate=c,
-                                 overlapped_encode=overlapped_encode) for c in candidates]
+                                 overlapped_encode=overlapped_encode, agreement_s=agreement_s)
+              for c in candidates]
     names = [p.name for p in preds]
     if len(set(names)) != len(names):
         raise ValueError(f"decide: duplicate candidate names {names}")
@@ -451,6 +461,6 @@ def measure_codec_speed(*, codec, device="cpu", repeats: int = 3, warmup_steps: 
 
 __all__ = [
     "ALGORITHMS", "RAW", "CodecEstimate", "CodecSpeed", "Decision", "Ewma", "Link", "LinkModel", "Prediction",
-    "TwoLevelLink", "agree", "decide", "fit_latency_bandwidth", "measure_codec_speed", "measure_link",
+    "TwoLevelLink", "agree", "agreement_time", "decide", "fit_latency_bandwidth", "measure_codec_speed", "measure_link",
     "predict_compressed", "predict_raw",
 ]

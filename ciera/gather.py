@@ -6,33 +6,42 @@ and every other shard of ``buffer`` still holds the previous gather's values: th
 receivers' cache, so receivers keep no state at all. The sender keeps only what its codec needs
 of its own previous shard.
 
-One gather in steady state is ONE collective: every rank encodes its shard into a payload of the
-same fixed capacity, the payloads are all-gathered, and each rank decodes the others' payloads in
-place. Every rank reads the same gathered headers, so all ranks take the same decisions without
-further communication:
+Protocol of one gather (see :mod:`ciera.agreement` for step 2):
 
-* if any payload overflowed, every rank follows with a plain all-gather of the buffer (the
-  overflowing rank's payload is never decoded), and
-* the next capacity is ``headroom x`` the largest payload needed over a recent window.
+1. **Encode** (``prepare``): every rank encodes its shard into its own send buffer of the codec's
+   worst-case size (never overflows); the payload's size stays on the device.
+2. **Agree**: one small all-gather per process group, covering every bucket prepared together,
+   carries each rank's payload size and flags; the host reads that table once. From it every rank
+   derives the same plan for each bucket: compressed at ``size = max`` over ranks of the payload
+   sizes, or a plain all-gather when any rank asks for raw (warmup, invalidated, a local failure)
+   or when the largest payload would not be smaller than the shard itself.
+3. **Gather** (``start``): one collective of exactly ``size`` bytes per rank (or the plain one).
+4. **Decode** (``wait``): one :meth:`ciera.codecs.Codec.decode_many` call decodes the ``world - 1``
+   received payloads in place; their rows and offsets were written on the device at step 2.
+
+From step 2 to the end of ``wait()`` the compressed path reads nothing on the host and allocates
+nothing (``tests/distributed/test_host_reads.py`` fails if that changes). On CUDA the encodes run on
+one side stream per device; the buffers they use are marked with ``record_stream``.
 
 Invariant kept by every path: when ``wait()`` returns, ``buffer`` equals what
 ``all_gather_into_tensor`` would have produced, bit for bit, and the sender's codec state
-describes its shard. Any exception inside a gather invalidates the caches, so the next gather is
-raw.
+describes its shard. Failures cannot make ranks take different paths: a rank that failed locally
+says so in the next agreement and every rank then sends that bucket raw (see :mod:`ciera.agreement`).
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
+import functools
 import logging
-import math
 import time
 
 import torch
 import torch.distributed as dist
 
-from .codecs import HEADER_BYTES, Codec, PayloadHeader, make_codec, read_headers
+from .agreement import FLAG_FAILED, FLAG_RAW, Plan, agree_sizes
+from .codecs import HEADER_BYTES, Codec, PayloadHeader, make_codec
+from .codecs.base import align_up
 from .codecs.formats import FORMATS, as_bits, float_format
 from .comm import all_gather_into
 from .config import CieraConfig
@@ -49,6 +58,12 @@ class CieraVerifyError(RuntimeError):
     """The gathered buffers of two ranks disagree: a cache was stale or a codec is broken."""
 
 
+@functools.cache
+def side_stream(device: torch.device):
+    """The one encode stream of a CUDA device, shared by every gather on it."""
+    return torch.cuda.Stream(device=device)
+
+
 class _DoneHandle:
     """Handle of a gather that finished inside ``start()``."""
 
@@ -59,18 +74,17 @@ class _DoneHandle:
 class GatherHandle:
     """Returned by :meth:`CieraAllGather.start`; :meth:`wait` completes the gather in place."""
 
-    def __init__(self, owner: "CieraAllGather", work, mode: str, capacity: int, launched: float):
-        self._owner, self._work, self._mode = owner, work, mode
-        self._capacity, self._launched = capacity, launched
+    def __init__(self, owner: "CieraAllGather", work, plan: Plan, launched: float):
+        self._owner, self._work, self._plan, self._launched = owner, work, plan, launched
         self._done = False
 
     def wait(self) -> None:
-        """Block until the collective is done, then decode the other ranks' payloads in place.
-        Idempotent."""
+        """Wait for the collective (on CUDA: make the current stream wait), then decode the other
+        ranks' payloads in place. Idempotent."""
         if self._done:
             return
         self._done = True
-        self._owner._finish(self._work, self._mode, self._capacity, self._launched)
+        self._owner._finish(self._work, self._plan, self._launched)
 
 
 class CieraAllGather:
@@ -81,13 +95,16 @@ class CieraAllGather:
         group: process group (default: the world).
         config: a :class:`CieraConfig`; must be equal on every rank of ``group``.
         name: used in logs and error messages (e.g. ``"expert.bucket3"``).
-
         measurements: a :class:`ciera.selection.Measurements` shared by the gathers of ``group``,
-            so that the link and the codec speeds the cost model needs are measured once per group
-            (``selection='auto'`` or ``codec='auto'``); a private one when omitted.
+            so that the link and the codec speeds the cost model needs are measured once per group,
+            at construction (``selection='auto'`` or ``codec='auto'``); a private one when omitted.
 
     Construction is collective over ``group``: it checks that every rank passed the same config,
     dtype and size, and fails with a clear error otherwise.
+
+    Per step, either call :meth:`prepare` then :meth:`start` (one small size agreement per bucket),
+    or prepare every bucket of a group at once with :func:`ciera.agreement.agree_sizes` (one
+    agreement for all of them), then :meth:`start` each.
     """
 
     def __init__(self, buffer: torch.Tensor, *, group=None, config: CieraConfig | None = None,
@@ -115,117 +132,131 @@ class CieraAllGather:
         self._codec_name: str | None = next(iter(self._codecs), None)
         self._state = None  # sender state of self._codec_name, valid iff self._raw_left == 0
         self._raw_left = config.warmup_gathers
-        self._needed: collections.deque[int] = collections.deque(maxlen=config.capacity_window)
-        self._capacity = self._initial_capacity()
-        self._send = self._recv = None
-        self._pending: GatherHandle | None = None
-        self._stats = GatherStats(codec="raw", capacity_bytes=self._capacity)
+        self._failed = False  # a local failure since the last agreement: the next gather is raw everywhere
+        self._stats = GatherStats(codec="raw")
         self._encode_timer = SectionTimer(buffer.device)
         self._decode_timer = SectionTimer(buffer.device)
         self._started = 0
-        self._prepared: tuple[str, int, object] | None = None  # (mode, capacity, cuda event)
-        self._side_stream = None
+        self._encoded: tuple[str, object] | None = None  # (mode, cuda event) of the encode in flight
+        self._plan: Plan | None = None  # agreed plan of the next start()
+        self._pending: GatherHandle | None = None
+        dev = buffer.device
+        # Persistent buffers: the send payload at the codec's worst case (so it never overflows);
+        # the receive buffer grows only at an agreement; rows/offsets of the other ranks' payloads.
+        worst = max((c.clamp_capacity(c.max_bytes) for c in self._codecs.values()), default=0)
+        self._send = torch.empty(worst, dtype=torch.uint8, device=dev)
+        self._recv = torch.empty(0, dtype=torch.uint8, device=dev)
+        self._rows = torch.tensor([r for r in range(self.world) if r != self.rank], dtype=torch.int64, device=dev)
+        self._offsets = torch.empty_like(self._rows)
+        self._needed = torch.zeros((), dtype=torch.int64, device=dev)  # this rank's payload size
         decides = config.selection == "auto" or len(self._codecs) > 1
-        self.selector = (Selector(self, measurements=measurements or Measurements())
-                         if self._codecs and decides else None)
+        self.selector = None
+        if self._codecs and decides:
+            m = measurements or Measurements()
+            self.selector = Selector(
+                codecs=self._codecs, config=config, world=self.world, group=group, device=dev,
+                link=m.link_for(group=group, device=dev, shard_bytes=self._raw_bucket_bytes() // self.world),
+                speeds={n: m.codec_for(codec=c, group=group, device=dev) for n, c in self._codecs.items()})
 
     # -- public API ------------------------------------------------------------------------------
     def prepare(self) -> None:
-        """Encode this rank's shard now, ahead of :meth:`start`.
-
-        Call once the shard holds its new values (right after the optimizer step). On CUDA the
-        encode runs on a side stream, overlapping whatever the caller queues next; ``start()``
-        then only launches the collective. Optional: ``start()`` prepares when this was not called.
-        """
-        if self._prepared is not None:
-            return
-        if self._pending is not None and not self._pending._done:
-            raise RuntimeError(f"{self.name}: a new gather was prepared while the previous one is not waited on")
-        if self.world == 1:
-            self._prepared = ("raw", 0, None)
-            return
-        try:
-            mode = self._choose_mode()
-            self._started += 1
-            event = None
-            if mode == "raw":
-                self._prepare_state_after_raw()
-            else:
-                send, _ = self._payload_buffers(self._capacity)
-                event = self._encode(mode, send)
-            self._prepared = (mode, self._capacity if mode != "raw" else 0, event)
-        except BaseException:
-            self.invalidate()
-            raise
+        """Encode this rank's shard now and agree the sizes of this bucket alone (one small
+        collective; the host reads it). Call once the shard holds its new values (right after the
+        optimizer step). To prepare many buckets with ONE agreement use
+        :func:`ciera.agreement.agree_sizes`. Optional: ``start()`` prepares when this was not called."""
+        if self._plan is None:
+            agree_sizes([self], group=self.group)
 
     def start(self) -> GatherHandle | _DoneHandle:
-        """Encode this rank's shard (unless :meth:`prepare` did) and launch the collective.
-        Returns a handle; call ``wait()`` on it before reading the other shards or starting the
-        next gather."""
-        if self._pending is not None and not self._pending._done:
-            raise RuntimeError(f"{self.name}: start() called while the previous gather is not waited on")
+        """Launch the agreed collective (preparing first if needed). Returns a handle; call
+        ``wait()`` on it before reading the other shards or starting the next gather."""
+        self._check_idle("start()")
         self.prepare()
-        mode, capacity, event = self._prepared
-        self._prepared = None
+        plan, self._plan = self._plan, None
         if self.world == 1:
-            self._account(raw=True, wire=self._raw_bucket_bytes())
+            self._account(plan, wire=self._raw_bucket_bytes())
             return _DoneHandle()
         try:
             launched = time.perf_counter()
-            if event is not None:
-                torch.cuda.current_stream(self.buffer.device).wait_event(event)
-            if mode == "raw":
+            if plan.raw:
                 work = all_gather_into(self.buffer, self._shard, group=self.group, async_op=True)
             else:
-                send, recv = self._payload_buffers(capacity)
-                work = all_gather_into(recv, send, group=self.group, async_op=True)
+                work = all_gather_into(self._recv[: self.world * plan.size], self._send[: plan.size],
+                                       group=self.group, async_op=True)
         except BaseException:
-            self.invalidate()
+            self._fail()
             raise
-        self._pending = GatherHandle(self, work, mode, capacity, launched)
+        self._pending = GatherHandle(self, work, plan, launched)
         return self._pending
-
-    def _encode(self, mode: str, send: torch.Tensor):
-        """Encode the shard into ``send``; on CUDA on the side stream, returning its done event."""
-        codec = self._codecs[mode]
-        if not self.buffer.is_cuda:
-            token = self._encode_timer.start()
-            codec.encode(shard=self._shard, state=self._state, out=send)
-            self._encode_timer.stop(token)
-            return None
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(device=self.buffer.device)
-        self._side_stream.wait_stream(torch.cuda.current_stream(self.buffer.device))
-        with torch.cuda.stream(self._side_stream):
-            token = self._encode_timer.start()
-            codec.encode(shard=self._shard, state=self._state, out=send)
-            self._encode_timer.stop(token)
-            event = torch.cuda.Event()
-            event.record(self._side_stream)
-        return event
 
     def invalidate(self) -> None:
         """Forget all cached state: the next ``config.warmup_gathers`` gathers are sent raw.
 
         Call after ANY write to ``buffer`` outside the gather (checkpoint load, parameter
-        broadcast, offload/reload): receivers' caches would otherwise be stale. Must be called on
-        every rank of the group (all ranks must take the same path)."""
+        broadcast, offload/reload): receivers' caches would otherwise be stale. A rank that
+        invalidates makes the next gather raw on every rank of the group (it says so in the
+        agreement). Buffers an encode in flight still uses stay alive (``record_stream``)."""
         self._raw_left = max(self._raw_left, self.config.warmup_gathers)
         self._state = None
-        self._prepared = None  # a payload encoded before the write would be stale
+        self._encoded = None  # a payload encoded before the write would be stale
+        self._plan = None
 
     @property
     def stats(self) -> GatherStats:
         """A snapshot of the cumulative counters."""
         self._stats.encode_s = self._encode_timer.total()
         self._stats.decode_s = self._decode_timer.total()
-        self._stats.capacity_bytes = self._capacity
         return dataclasses.replace(self._stats)
 
     @property
     def codec(self) -> Codec | None:
         """The codec compressed gathers use now (``None`` when this gather never compresses)."""
         return self._codecs.get(self._codec_name) if self._codec_name else None
+
+    # -- protocol steps used by ciera.agreement --------------------------------------------------
+    def _encode_local(self) -> tuple[int, torch.Tensor]:
+        """Step 1: choose this rank's proposal and encode. Returns ``(flags, needed)``: ``needed``
+        is a 0-d int64 device tensor (not read here). Never raises: a failure is reported as
+        ``FLAG_FAILED`` so that every rank learns it in the agreement."""
+        self._check_idle("prepare()")
+        if self._failed:
+            return FLAG_FAILED, self._needed
+        try:
+            mode = self._choose_mode()
+            self._started += 1
+            if mode == "raw":
+                self._encoded = ("raw", None)
+                return FLAG_RAW, self._needed
+            self._encoded = (mode, self._encode(mode))
+            return self._codecs[mode].codec_id, self._needed
+        except Exception:
+            logger.exception("%s: encoding failed on rank %d; this gather is sent raw on every rank",
+                             self.name, self.rank)
+            self._fail()
+            return FLAG_FAILED, self._needed
+
+    def _apply_plan(self, plan: Plan) -> None:
+        """Step 2's result: remember the plan; on a compressed plan write the payload offsets on
+        the device and make sure the receive buffer holds ``world x size`` bytes."""
+        mode, _ = self._encoded or ("raw", None)
+        self._encoded = None
+        if plan.failed_ranks:
+            if not self._failed:
+                logger.warning("%s: rank(s) %s failed in a previous step; gathering raw on every rank",
+                               self.name, list(plan.failed_ranks))
+            self._stats.failures += 1
+            self._failed = False
+            self.invalidate()
+        if plan.raw:
+            self._refresh_state_for_raw()
+        else:
+            if mode != plan.codec_name:  # cannot happen: the plan is compressed only if every rank encoded
+                raise RuntimeError(f"{self.name}: agreed codec {plan.codec} but rank {self.rank} encoded {mode}")
+            need = self.world * plan.size
+            if self._recv.numel() < need:  # grows at agreements only, with 1/8 slack against regrowth
+                self._recv = torch.empty(align_up(need + need // 8), dtype=torch.uint8, device=self.buffer.device)
+            torch.mul(self._rows, plan.size, out=self._offsets)
+        self._plan = plan
 
     # -- construction helpers --------------------------------------------------------------------
     def _candidate_codecs(self) -> list[str]:
@@ -260,47 +291,68 @@ class CieraAllGather:
                         f"dtype and buffer size)"
                     )
 
-    def _initial_capacity(self) -> int:
-        codec = self.codec
-        if codec is None:
-            return 0
-        span = codec.max_bytes - codec.fixed_bytes
-        return codec.clamp_capacity(codec.fixed_bytes + math.ceil(self.config.initial_capacity * span))
-
     # -- per-gather decisions ----------------------------------------------------------------------
+    def _check_idle(self, what: str) -> None:
+        if self._pending is not None and not self._pending._done:
+            raise RuntimeError(f"{self.name}: {what} called while the previous gather is not waited on")
+
     def _choose_mode(self) -> str:
-        """'raw' or the codec to use for this gather. Identical on every rank by construction: it
-        depends only on config and on figures every rank derived from the same gathered headers."""
+        """'raw' or the codec this rank proposes. Every input is rank-identical except a local
+        ``invalidate()``, and the agreement turns any rank's 'raw' into raw everywhere."""
         if not self._codecs:
             return "raw"
         if self.selector is not None:
-            self.selector.before_gather(self._started, warmup_left=self._raw_left)
+            switch = self.selector.before_gather(
+                self._started, warmup_left=self._raw_left, shard=self._shard, current=self._codec_name,
+                probe=self._encode_probe, stats=self.stats)
+            if switch is not None:
+                self._switch(switch.codec, previous_shard=switch.previous_shard)
         if self._codec_name is None or self._raw_left > 0:
             return "raw"
         return self._codec_name
 
-    def _switch(self, name: str | None, *, previous_shard: torch.Tensor | None, needed: int | None) -> None:
+    def _switch(self, name: str | None, *, previous_shard: torch.Tensor | None) -> None:
         """Use codec ``name`` (``None``: raw) from this gather on. Receivers hold
         ``previous_shard``, so the new codec's state is built from it: no raw round is needed."""
         self._codec_name = name
-        self._state = None
-        if name is None:
-            return
-        self._state = self._codecs[name].new_state(shard=previous_shard)
-        self._needed.clear()
-        if needed is not None:
-            self._update_capacity(self._codecs[name], needed)
+        self._state = None if name is None else self._codecs[name].new_state(shard=previous_shard)
 
     def _encode_probe(self, name: str, previous_shard: torch.Tensor) -> int:
-        """Bytes codec ``name`` needs for this shard against ``previous_shard`` (local, no collective)."""
+        """Bytes codec ``name`` needs for this shard against ``previous_shard`` (local, no
+        collective; runs before the agreement, where host reads are allowed)."""
         codec = self._codecs[name]
         scratch = torch.empty(codec.clamp_capacity(codec.max_bytes), dtype=torch.uint8, device=self.buffer.device)
         codec.encode(shard=self._shard, state=codec.new_state(shard=previous_shard), out=scratch)
         return PayloadHeader(scratch[:HEADER_BYTES].view(torch.int64).cpu()).needed
 
-    def _prepare_state_after_raw(self) -> None:
-        """A raw gather is launching: afterwards receivers hold this shard exactly, so the codec
-        state is refreshed from it now (the shard does not change until the next start())."""
+    def _encode(self, mode: str):
+        """Encode the shard into the send buffer, its size into ``self._needed``; on CUDA on the
+        device's side stream, returning its done event."""
+        codec = self._codecs[mode]
+        send = self._send[: codec.clamp_capacity(codec.max_bytes)]
+        if not self.buffer.is_cuda:
+            token = self._encode_timer.start()
+            codec.encode(shard=self._shard, state=self._state, out=send)
+            self._needed.copy_(send[: HEADER_BYTES].view(torch.int64)[2])
+            self._encode_timer.stop(token)
+            return None
+        stream = side_stream(self.buffer.device)
+        stream.wait_stream(torch.cuda.current_stream(self.buffer.device))  # the optimizer wrote the shard
+        with torch.cuda.stream(stream):
+            token = self._encode_timer.start()
+            codec.encode(shard=self._shard, state=self._state, out=send)
+            self._needed.copy_(send[: HEADER_BYTES].view(torch.int64)[2])
+            self._encode_timer.stop(token)
+            event = torch.cuda.Event()
+            event.record(stream)
+        for t in (self._send, self._needed, self._state, self.buffer):  # alive until the stream is done
+            if t is not None:
+                t.record_stream(stream)
+        return event
+
+    def _refresh_state_for_raw(self) -> None:
+        """A raw gather is agreed: afterwards receivers hold this shard exactly, so the codec
+        state is refreshed from it now (the shard does not change until the gather)."""
         codec = self.codec
         if codec is None:
             return
@@ -309,104 +361,102 @@ class CieraAllGather:
         else:
             codec.reset_state(state=self._state, shard=self._shard)
 
-    def _payload_buffers(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._send is None or self._send.numel() < capacity:
-            dev = self.buffer.device
-            self._send = torch.empty(capacity, dtype=torch.uint8, device=dev)
-            self._recv = torch.empty(self.world * capacity, dtype=torch.uint8, device=dev)
-        return self._send[:capacity], self._recv[: self.world * capacity]
+    def _fail(self) -> None:
+        """A local failure: caches are undefined here, so the next agreement makes the bucket raw on
+        every rank."""
+        self._failed = True
+        self.invalidate()
 
     # -- completion ----------------------------------------------------------------------------------
-    def _finish(self, work, mode: str, capacity: int, launched: float) -> None:
+    def _finish(self, work, plan: Plan, launched: float) -> None:
         try:
             work.wait()
-            if mode == "raw":
+            self._stats.comm_s += time.perf_counter() - launched
+            if plan.raw:
                 self._raw_left = max(0, self._raw_left - 1)
-                self._stats.comm_s += time.perf_counter() - launched
-                self._account(raw=True, wire=self._raw_bucket_bytes())
+                wire = self._raw_bucket_bytes()
             else:
-                self._finish_compressed(mode, capacity, launched)
+                codec = self._codecs[plan.codec_name]
+                token = self._decode_timer.start()
+                codec.decode_many(payloads=self._recv[: self.world * plan.size], rows=self._rows,
+                                  offsets=self._offsets, targets=self._shards)
+                self._decode_timer.stop(token)
+                wire = self.world * plan.size
+            self._account(plan, wire=wire)
             self._maybe_verify()
         except BaseException:
-            self.invalidate()
+            self._fail()
             raise
-
-    def _finish_compressed(self, mode: str, capacity: int, launched: float) -> None:
-        codec = self._codecs[mode]
-        payloads = self._recv[: self.world * capacity].view(self.world, capacity)
-        headers = [PayloadHeader(words) for words in read_headers(payloads)]
-        self._stats.comm_s += time.perf_counter() - launched
-        needed = [h.needed for h in headers]
-        overflowed = [r for r, h in enumerate(headers) if h.overflow]
-        wire = self.world * capacity
-        if overflowed:
-            # Every rank sees the same headers, so every rank takes this branch together.
-            logger.debug("%s: payload overflow on ranks %s (needed %s B, capacity %s B): raw round",
-                         self.name, overflowed, max(needed), capacity)
-            all_gather_into(self.buffer, self._shard, group=self.group)
-            wire += self._raw_bucket_bytes()
-            self._stats.overflows += 1
-        else:
-            token = self._decode_timer.start()
-            for r in range(self.world):
-                if r != self.rank:
-                    codec.decode(payload=payloads[r], target=self._shards[r], header=headers[r])
-            self._decode_timer.stop(token)
-        self._stats.payload_bytes += sum(min(n, capacity) for n in needed)
-        self._stats.variable_bytes += sum(n - codec.fixed_bytes for n in needed)
-        self._stats.variable_bytes_max += self.world * (codec.max_bytes - codec.fixed_bytes)
-        self._stats.codec = mode
-        self._account(raw=False, wire=wire)
-        self._update_capacity(codec, max(needed))
-
-    def _update_capacity(self, codec: Codec, needed_max: int) -> None:
-        self._needed.append(needed_max)
-        self._capacity = codec.clamp_capacity(math.ceil(self.config.capacity_headroom * max(self._needed)))
 
     def _raw_bucket_bytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
 
-    def _account(self, *, raw: bool, wire: int) -> None:
+    def _account(self, plan: Plan, *, wire: int) -> None:
         s = self._stats
         s.gathers += 1
         s.raw_bytes += self._raw_bucket_bytes()
         s.wire_bytes += wire
-        if raw:
+        if plan.raw:
             s.raw_gathers += 1
         else:
             s.compressed_gathers += 1
+            s.codec = plan.codec_name
+            codec = self._codecs[plan.codec_name]
+            s.payload_bytes += plan.payload_bytes
+            s.variable_bytes += plan.payload_bytes - self.world * codec.fixed_bytes
+            s.variable_bytes_max += self.world * (codec.max_bytes - codec.fixed_bytes)
 
     # -- verification ----------------------------------------------------------------------------
     def _maybe_verify(self) -> None:
         every = self.config.verify_interval
         if every and self._stats.gathers % every == 0:
-            verify_replicas(self.buffer, group=self.group, name=self.name)
+            verify_replicas(self.buffer, group=self.group, name=self.name, salt=self._stats.gathers)
 
 
-def shard_checksums(buffer: torch.Tensor, world: int) -> torch.Tensor:
-    """Two position-weighted sums of the bit patterns of each of ``world`` shards: ``[world, 2]``
-    int64 (wrapping arithmetic; equal buffers give equal sums on every device)."""
+_MIX = (-0x40A7B892E31B1A47, -0x6B2FB644ECCEEE15)  # splitmix64 finalizer constants (as int64)
+_CHUNK = 1 << 20
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer on int64 (wrapping; logical shifts by masking): a bijection whose
+    every output bit depends on every input bit."""
+    x = x ^ ((x >> 30) & ((1 << 34) - 1))
+    x = x * _MIX[0]
+    x = x ^ ((x >> 27) & ((1 << 37) - 1))
+    x = x * _MIX[1]
+    return x ^ ((x >> 31) & ((1 << 33) - 1))
+
+
+def shard_hashes(buffer: torch.Tensor, world: int, *, salt: int = 0) -> torch.Tensor:
+    """A 64-bit hash of each of ``world`` shards' bit patterns: ``[world]`` int64.
+
+    ``sum_i mix(bits_i * a + i * b + c)`` with odd multipliers ``a, b`` and offset ``c`` drawn from
+    ``salt``: any change to a shard changes its hash except with probability ~2^-64 per check
+    (unlike a linear checksum, where +1, -2, +1 on neighbouring values cancels). Equal on every
+    device for equal buffers and salts; the work is elementwise plus one sum per chunk."""
+    gen = torch.Generator().manual_seed(0xC1E7A + salt)
+    a, b, c = (int(v) | 1 for v in torch.randint(-(1 << 62), 1 << 62, (3,), generator=gen))
     shards = as_bits(buffer).view(world, -1)
-    out = torch.empty(world, 2, dtype=torch.int64, device=buffer.device)
-    weights = torch.arange(1, shards.shape[1] + 1, dtype=torch.int64, device=buffer.device)
-    for r in range(world):
-        v = shards[r].to(torch.int64)
-        out[r, 0] = v.sum()
-        out[r, 1] = (v * weights).sum()
+    n = shards.shape[1]
+    out = torch.zeros(world, dtype=torch.int64, device=buffer.device)
+    for lo in range(0, n, _CHUNK):
+        v = shards[:, lo : lo + _CHUNK].to(torch.int64)
+        pos = torch.arange(lo, lo + v.shape[1], dtype=torch.int64, device=buffer.device)
+        out += _mix64(v * a + pos * b + c).sum(1)
     return out
 
 
-def verify_replicas(buffer: torch.Tensor, *, group=None, name: str = "bucket") -> None:
+def verify_replicas(buffer: torch.Tensor, *, group=None, name: str = "bucket", salt: int = 0) -> None:
     """Check that every rank of ``group`` holds the same ``buffer``; raise :class:`CieraVerifyError`
-    naming the bucket, the shard (its owner rank) and the ranks that disagree."""
+    naming the bucket, the shard (its owner rank) and the ranks that disagree. Every rank reads the
+    same gathered table, so every rank raises together."""
     world = dist.get_world_size(group)
-    mine = shard_checksums(buffer, world)
-    everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=buffer.device)
-    all_gather_into(everyone, mine.reshape(-1), group=group)
-    table = everyone.view(world, world, 2).cpu()
+    mine = shard_hashes(buffer, world, salt=salt)
+    everyone = torch.empty(world * world, dtype=torch.int64, device=buffer.device)
+    all_gather_into(everyone, mine, group=group)
+    table = everyone.view(world, world).cpu()
     for shard in range(world):
-        owner_view = table[shard, shard]
-        bad = [r for r in range(world) if not torch.equal(table[r, shard], owner_view)]
+        bad = [r for r in range(world) if table[r, shard] != table[shard, shard]]
         if bad:
             raise CieraVerifyError(
                 f"{name}: shard {shard} (owned by rank {shard}) differs from its owner's values on "

@@ -11,135 +11,151 @@ under ``selection='always'`` (which codec; never raw). Every ``reevaluate_interv
 4. switches mode if the decision says so. A codec chosen afresh starts from the copy of the
    previous shard, so switching costs no raw round.
 
-Codec speeds start from a short synthetic measurement at construction and then follow
-exponential averages of the real gathers; the link is measured once per group.
+Codec speeds start from a measurement at construction, at the bucket's real shard size, and then
+follow exponential averages of the real gathers; the link is measured once per group at the sizes
+its first bucket sends. The selector returns decisions (:class:`Switch`); the gather applies them.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from . import cost_model as cm
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .gather import CieraAllGather
+from .codecs.base import align_up
 
 logger = logging.getLogger(__name__)
-
-_PROBE_NUMEL = 1 << 20  # synthetic speed measurement size cap: throughput, not latency
 
 
 class Measurements:
     """Link and codec-speed measurements shared by the gathers of one process group.
 
-    Each figure is measured once, collectively and rank-agreed, by the first gather that needs it;
-    later gathers reuse it. Keep one instance per group (every rank builds its gathers in the same
-    order, so every rank measures at the same point) and pass it to each ``CieraAllGather``.
+    Each figure is measured once, collectively and rank-agreed, by the first gather that needs it
+    (at its construction, i.e. at install time), at that gather's real sizes; later gathers reuse
+    it. Keep one instance per group (every rank builds its gathers in the same order, so every
+    rank measures at the same point) and pass it to each ``CieraAllGather``.
     """
 
     def __init__(self, *, link: cm.Link | None = None):
         self.link = link
-        """The group's link model; measured by the first selector when ``None``."""
+        """The group's link model; measured by the first gather that needs it when ``None``."""
         self.codec_seconds_per_byte: dict[tuple, tuple[float, float]] = {}
-        """(codec, dtype, block size, device type) -> agreed (encode, decode) seconds per raw byte."""
+        """(codec, dtype, block size, numel, device type) -> agreed (encode, decode) seconds per raw byte."""
 
-    def link_for(self, *, group, device) -> cm.Link:
+    def link_for(self, *, group, device, shard_bytes: int) -> cm.Link:
+        """The group's link, measured on first use at the sizes a bucket of ``shard_bytes`` per
+        rank sends: its raw shard and the compressed payloads (1/8 and 1/4 of it)."""
         if self.link is None:
-            self.link = cm.measure_link(group=group, device=device)
+            top = max(int(shard_bytes), 1 << 12)
+            sizes = sorted({max(top // 8, 1 << 9), max(top // 4, 1 << 10), top})
+            self.link = cm.measure_link(group=group, device=device, sizes=sizes)
         return self.link
 
     def codec_for(self, *, codec, group, device) -> tuple[float, float]:
-        from .codecs import make_codec
-
+        """Agreed (encode, decode) seconds per raw byte of ``codec`` at its real shard size."""
         block = getattr(codec, "block_size", None)
-        key = (codec.name, codec.dtype, block, torch.device(device).type)
+        key = (codec.name, codec.dtype, block, codec.numel, torch.device(device).type)
         if key not in self.codec_seconds_per_byte:
-            probe = make_codec(codec.name, dtype=codec.dtype, numel=min(codec.numel, _PROBE_NUMEL) or 1,
-                               block_size=block)
-            sp = cm.measure_codec_speed(codec=probe, device=device)
+            sp = cm.measure_codec_speed(codec=codec, device=device)
             enc, dec = cm.agree(values=[1 / sp.encode_bytes_per_s, 1 / sp.decode_bytes_per_s],
                                 group=group, device=device)
             self.codec_seconds_per_byte[key] = (enc, dec)
         return self.codec_seconds_per_byte[key]
 
 
-class Selector:
-    """Decides raw vs codec (and which codec) for one :class:`ciera.CieraAllGather`."""
+@dataclass(frozen=True)
+class Switch:
+    """A decision the gather applies: use ``codec`` (``None``: raw) from this gather on; the new
+    codec's state starts from ``previous_shard`` (what every receiver holds)."""
 
-    def __init__(self, gather: "CieraAllGather", *, measurements: Measurements):
-        self.gather = gather
-        cfg = gather.config
-        dev = gather.buffer.device
-        self.link = measurements.link_for(group=gather.group, device=dev)
-        self.speeds: dict[str, tuple[cm.Ewma, cm.Ewma]] = {}
-        for name, codec in gather._codecs.items():
-            enc, dec = measurements.codec_for(codec=codec, group=gather.group, device=dev)
-            self.speeds[name] = (cm.Ewma().update(enc), cm.Ewma().update(dec))
-        self.decide_at = cfg.warmup_gathers
+    codec: str | None
+    previous_shard: torch.Tensor | None
+
+
+class Selector:
+    """Decides raw vs codec (and which codec) for one bucket; knows nothing of the gather.
+
+    Args:
+        codecs: candidate name -> codec bound to the bucket's shard shape.
+        config: the bucket's :class:`ciera.CieraConfig`.
+        world, group, device: the bucket's process group.
+        link: the group's link model.
+        speeds: name -> agreed (encode, decode) seconds per raw byte, the starting averages.
+    """
+
+    def __init__(self, *, codecs: dict, config, world: int, group, device, link: cm.Link,
+                 speeds: dict[str, tuple[float, float]]):
+        self.codecs, self.config, self.world, self.group, self.device = codecs, config, world, group, device
+        self.link = link
+        self.speeds = {n: (cm.Ewma().update(e), cm.Ewma().update(d)) for n, (e, d) in speeds.items()}
+        self.decide_at = config.warmup_gathers
         self.snapshot: torch.Tensor | None = None
         self.decision: cm.Decision | None = None
         self.decisions = 0
         self._last_stats = None
 
-    def before_gather(self, index: int, *, warmup_left: int) -> None:
-        """Called by the gather at ``start()`` of gather number ``index`` (0-based)."""
-        g = self.gather
+    def before_gather(self, index: int, *, warmup_left: int, shard: torch.Tensor, current: str | None,
+                      probe: Callable[[str, torch.Tensor], int], stats) -> Switch | None:
+        """Called before encoding gather number ``index`` (0-based, before the size agreement).
+        ``probe(name, previous)`` returns the bytes codec ``name`` needs for ``shard`` against
+        ``previous``; ``stats`` are the gather's counters. Returns the switch to apply, if any."""
         if warmup_left > 0 and self.decide_at < index + warmup_left:
             self.decide_at = index + warmup_left  # invalidated: decide right after the raw gathers
+        switch = None
         if index == self.decide_at and self.snapshot is not None:
-            self._decide()
+            switch = self._decide(current=current, probe=probe, stats=stats)
             self.snapshot = None
-            self.decide_at = index + g.config.reevaluate_interval
+            self.decide_at = index + self.config.reevaluate_interval
         if index + 1 == self.decide_at:
-            self.snapshot = g._shard.clone()
+            self.snapshot = shard.clone()
+        return switch
 
-    def _decide(self) -> None:
-        g = self.gather
-        cfg = g.config
-        names = list(g._codecs)
-        needed = [float(g._encode_probe(n, self.snapshot)) for n in names]
-        self._refresh_speeds()
+    def _decide(self, *, current, probe, stats) -> Switch | None:
+        cfg = self.config
+        names = list(self.codecs)
+        needed = [float(probe(n, self.snapshot)) for n in names]
+        self._refresh_speeds(current=current, stats=stats)
         per_byte = [v for n in names for v in (self.speeds[n][0].value, self.speeds[n][1].value)]
-        agreed = cm.agree(values=needed + per_byte, group=g.group, device=g.buffer.device)
+        agreed = cm.agree(values=needed + per_byte, group=self.group, device=self.device)
         needed, per_byte = agreed[: len(names)], agreed[len(names):]
-        raw_b = g._codecs[names[0]].raw_bytes
+        raw_b = self.codecs[names[0]].raw_bytes
         candidates = []
         for i, n in enumerate(names):
-            cap = g._codecs[n].clamp_capacity(math.ceil(cfg.capacity_headroom * needed[i]))
+            wire = align_up(math.ceil(needed[i]))  # exact payloads: the agreed max, 16-aligned
             candidates.append(cm.CodecEstimate(
-                name=n, wire_ratio=cap / max(raw_b, 1),
+                name=n, wire_ratio=min(wire, raw_b) / max(raw_b, 1),
                 speed=cm.CodecSpeed(encode_bytes_per_s=1 / max(per_byte[2 * i], 1e-15),
                                     decode_bytes_per_s=1 / max(per_byte[2 * i + 1], 1e-15))))
-        current = g._codec_name or cm.RAW if self.decision is not None else None
-        d = cm.decide(raw_bytes_per_rank=raw_b, world=g.world, link=self.link, candidates=candidates,
-                      current=current, hysteresis=cfg.hysteresis)
+        known = (current or cm.RAW) if self.decision is not None else None
+        d = cm.decide(raw_bytes_per_rank=raw_b, world=self.world, link=self.link, candidates=candidates,
+                      current=known, hysteresis=cfg.hysteresis,
+                      agreement_s=cm.agreement_time(link=self.link, world=self.world))
         choice = d.choice
         if choice == cm.RAW and cfg.selection == "always":  # codec='auto': choose among codecs only
             choice = min(candidates, key=lambda c: d.times[c.name]).name
         self.decision, self.decisions = d, self.decisions + 1
-        if choice != current:
-            logger.info("%s: selection -> %s (%s)", g.name, choice, d.reason)
+        if choice != known:
+            logger.info("selection -> %s (%s)", choice, d.reason)
         if choice == cm.RAW:
-            g._switch(None, previous_shard=None, needed=None)
-        elif choice != current:
-            g._switch(choice, previous_shard=self.snapshot, needed=int(needed[names.index(choice)]))
+            return Switch(None, None)
+        if choice != known:
+            return Switch(choice, self.snapshot)
+        return None
 
-    def _refresh_speeds(self) -> None:
+    def _refresh_speeds(self, *, current, stats) -> None:
         """Fold the real encode/decode timings since the last decision into the averages."""
-        g = self.gather
-        s = g.stats
-        last, self._last_stats = self._last_stats, s
-        if last is None or g._codec_name is None:
+        last, self._last_stats = self._last_stats, stats
+        if last is None or current is None:
             return
-        d = s.minus(last)
-        n = d.compressed_gathers - d.overflows
-        raw_b = g._codecs[g._codec_name].raw_bytes
+        d = stats.minus(last)
+        n = d.compressed_gathers
+        raw_b = self.codecs[current].raw_bytes
         if n <= 0 or raw_b == 0 or d.encode_s <= 0 or d.decode_s <= 0:
             return
-        enc, dec = self.speeds[g._codec_name]
-        self.speeds[g._codec_name] = (enc.update(d.encode_s / (d.compressed_gathers * raw_b)),
-                                      dec.update(d.decode_s / (n * max(g.world - 1, 1) * raw_b)))
+        enc, dec = self.speeds[current]
+        self.speeds[current] = (enc.update(d.encode_s / (n * raw_b)),
+                                dec.update(d.decode_s / (n * max(self.world - 1, 1) * raw_b)))

@@ -1,9 +1,10 @@
 """Counters of one compressed all-gather, and timers that do not stall the device.
 
 Bytes are counted as this rank receives them: a plain all-gather of a bucket delivers the whole
-bucket (``raw_bytes``); a compressed one delivers ``world x capacity`` bytes of payloads, plus the
-whole bucket again when a fallback round follows (``wire_bytes``). Both include the rank's own
-shard, so their ratio is the traffic ratio of the collective.
+bucket (``raw_bytes``); a compressed one delivers ``world x size`` bytes of payloads, ``size``
+being the agreed (largest, 16-aligned) payload of the gather (``wire_bytes``). Both include the
+rank's own shard, so their ratio is the traffic ratio of the collective; ``payload_bytes`` is what
+the codec itself needed, so ``wire_bytes / payload_bytes`` is the price of equal-size payloads.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ class GatherStats:
     raw_bytes: int = 0
     """Bytes plain all-gathers would have delivered to this rank."""
     wire_bytes: int = 0
-    """Bytes actually delivered to this rank (payloads at capacity, fallbacks in full)."""
+    """Bytes actually delivered to this rank (payloads at the agreed size, raw gathers in full)."""
     payload_bytes: int = 0
-    """Bytes the payloads needed (sum of their headers' sizes, all ranks): wire minus padding."""
+    """Bytes the payloads of compressed gathers needed (sum of their headers' sizes, all ranks)."""
     variable_bytes: int = 0
-    """Bytes of the payloads' variable sections (all ranks, true sizes even when overflowed)."""
+    """Bytes of the payloads' variable sections (all ranks)."""
     variable_bytes_max: int = 0
     """What those sections would have been with every value changed: see :attr:`change_rate`."""
     gathers: int = 0
@@ -36,9 +37,12 @@ class GatherStats:
     raw_gathers: int = 0
     """Gathers sent uncompressed (warmup, after invalidate, codec switches, selection chose raw)."""
     compressed_gathers: int = 0
-    """Gathers that sent codec payloads (including those that then fell back)."""
+    """Gathers that sent codec payloads."""
     overflows: int = 0
-    """Compressed gathers where some rank's payload exceeded capacity: a raw round followed."""
+    """Always 0: payloads are sent at their agreed exact size and never overflow (kept so that logs
+    and tools reading it keep working)."""
+    failures: int = 0
+    """Gathers sent raw on every rank because some rank reported a local failure."""
     encode_s: float = 0.0
     """Time encoding this rank's shard (device time on CUDA, host time on CPU)."""
     decode_s: float = 0.0
@@ -46,8 +50,6 @@ class GatherStats:
     comm_s: float = 0.0
     """Host time from launching the collective to its completion in ``wait()`` (includes any
     work the caller overlapped with it)."""
-    capacity_bytes: int = 0
-    """Current payload capacity per rank."""
 
     @property
     def ratio(self) -> float:
@@ -62,10 +64,10 @@ class GatherStats:
         return self.variable_bytes / self.variable_bytes_max if self.variable_bytes_max else 0.0
 
     def minus(self, earlier: "GatherStats") -> "GatherStats":
-        """Counters accumulated since ``earlier`` (codec and capacity are the current ones)."""
+        """Counters accumulated since ``earlier`` (the codec is the current one)."""
         out = dataclasses.replace(self)
         for f in dataclasses.fields(self):
-            if f.name not in ("codec", "capacity_bytes"):
+            if f.name != "codec":
                 setattr(out, f.name, getattr(self, f.name) - getattr(earlier, f.name))
         return out
 

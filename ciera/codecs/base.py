@@ -1,10 +1,15 @@
-"""The codec interface: fixed-capacity payloads, in-place decoding.
+"""The codec interface: self-describing payloads, in-place decoding, batched decode.
 
-A codec turns one rank's shard into a payload of a capacity the caller chooses, so that every rank
-can send an equal-sized payload in one all-gather. Layout of every payload::
+A codec turns one rank's shard into a payload written into a buffer of a capacity the caller
+chooses. Layout of every payload::
 
     header   32 bytes: int64 words [magic|codec id, flags, needed bytes, capacity]
     sections codec specific, each 16-byte aligned; a fixed part, then a variable part
+
+``capacity`` is the size of the buffer the payload was encoded into, not the size it travels in:
+the gather encodes into a buffer of ``max_bytes`` (never overflows) and sends exactly the agreed
+size, so a received payload may be any length ``>= needed``. Decoders take every length from the
+header and the layout.
 
 Invariants every codec keeps:
 
@@ -20,6 +25,7 @@ Invariants every codec keeps:
 from __future__ import annotations
 
 import abc
+import functools
 import importlib
 import os
 from typing import ClassVar
@@ -53,6 +59,21 @@ def write_header(out: torch.Tensor, *, codec_id: int, needed: torch.Tensor | int
 def read_headers(payloads: torch.Tensor) -> torch.Tensor:
     """Headers of ``[world, capacity]`` uint8 payloads as a ``[world, 4]`` int64 CPU tensor."""
     return payloads[:, :HEADER_BYTES].contiguous().view(torch.int64).reshape(-1, 4).cpu()
+
+
+def payload_needed(payloads: torch.Tensor, offset: int) -> int:
+    """Bytes the payload starting at byte ``offset`` of flat ``payloads`` needs (host read: for
+    reference implementations and tests)."""
+    return int(payloads[offset + 8 * _H_NEEDED : offset + 8 * _H_NEEDED + 8].view(torch.int64)[0])
+
+
+def decode_many_loop(decode, *, layout, payloads: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor,
+                     targets_bits: torch.Tensor) -> None:
+    """``decode_many`` as a loop of one-payload ``decode(*, layout, payload, target_bits)`` calls:
+    what every reference does (it reads ``rows``/``offsets`` and the headers on the host)."""
+    for row, off in zip(rows.tolist(), offsets.tolist()):
+        payload = payloads[off : off + payload_needed(payloads, off)]
+        decode(layout=layout, payload=payload, target_bits=targets_bits[row])
 
 
 class PayloadHeader:
@@ -123,6 +144,7 @@ class Codec(abc.ABC):
     # Triton twins ``encode_triton`` / ``decode_triton`` with the same signatures in ``kernels``.
     encode_reference: ClassVar
     decode_reference: ClassVar
+    decode_many_reference: ClassVar
     kernels: ClassVar[str]
     layout: object
 
@@ -144,6 +166,37 @@ class Codec(abc.ABC):
         self._check_shard(target, "target")
         self._check_payload(payload, header)
         self._impl("decode", target)(layout=self.layout, payload=payload, target_bits=as_bits(target))
+
+    def decode_many(self, *, payloads: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor,
+                    targets: torch.Tensor) -> None:
+        """Decode several payloads in place, in one call: row ``rows[i]`` of ``targets``
+        (``[world, numel]``, the gathered bucket) becomes the shard whose payload starts at byte
+        ``offsets[i]`` of the flat uint8 ``payloads``. ``rows`` and ``offsets`` are int64 tensors on
+        the payloads' device and are never read on the host here; payload lengths come from their
+        headers. Bit-identical to :meth:`decode` on each payload.
+
+        Implementations (``decode_many_<impl>``, see CONTRACT.md): the Triton twin issues a fixed
+        number of launches independent of ``len(rows)``; the reference loops over rows."""
+        if targets.dim() != 2 or targets.shape[1] != self.numel or targets.dtype != self.dtype \
+                or not targets.is_contiguous():
+            raise ValueError(f"{self.name}: targets must be a contiguous [world, {self.numel}] {self.dtype} tensor")
+        if payloads.dtype != torch.uint8 or payloads.dim() != 1 or not payloads.is_contiguous():
+            raise ValueError(f"{self.name}: payloads must be a flat contiguous uint8 tensor")
+        if rows.dtype != torch.int64 or offsets.dtype != torch.int64 or rows.shape != offsets.shape:
+            raise ValueError(f"{self.name}: rows and offsets must be int64 tensors of one shape")
+        self._decode_many_impl(targets)(layout=self.layout, payloads=payloads, rows=rows, offsets=offsets,
+                                        targets_bits=as_bits(targets))
+
+    def _decode_many_impl(self, t: torch.Tensor):
+        """``decode_many_<impl>`` for tensors like ``t``; until a kernels module defines
+        ``decode_many_triton``, a loop over its ``decode_triton`` (CONTRACT.md, item 3)."""
+        if not self._use_triton(t):
+            return type(self).decode_many_reference
+        kernels = importlib.import_module(self.kernels)
+        many = getattr(kernels, "decode_many_triton", None)
+        if many is not None:
+            return many
+        return functools.partial(decode_many_loop, kernels.decode_triton)
 
     def _check_state(self, state) -> None:
         """Raise when ``state`` is not what :meth:`new_state` returns for this codec."""
@@ -187,8 +240,9 @@ class Codec(abc.ABC):
                 f"{self.name}: refusing to decode an overflowed payload (needs {h.needed} B, "
                 f"capacity {h.capacity} B); the sender must resend"
             )
-        if h.capacity != payload.numel():
-            raise ValueError(f"{self.name}: header capacity {h.capacity} != payload length {payload.numel()}")
+        if h.needed > payload.numel():
+            raise ValueError(f"{self.name}: payload of {payload.numel()} B is shorter than the {h.needed} B "
+                             f"its header needs")
         return h
 
     def _use_triton(self, t: torch.Tensor) -> bool:

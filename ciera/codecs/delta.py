@@ -60,7 +60,7 @@ from typing import NamedTuple
 
 import torch
 
-from .base import HEADER_BYTES, Codec, align_up
+from .base import HEADER_BYTES, Codec, align_up, decode_many_loop
 from .formats import FloatFormat, as_bits, from_unsigned, to_unsigned
 from .registry import register_codec
 
@@ -361,6 +361,14 @@ def decode_reference(*, layout: DeltaLayout, payload: torch.Tensor, target_bits:
     target_bits.copy_(from_unsigned(u, target_bits.dtype))
 
 
+def decode_many_reference(*, layout, payloads: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor,
+                          targets_bits: torch.Tensor) -> None:
+    """Pure-torch batched decoder (CONTRACT.md item 3): :func:`decode_reference` on each payload of
+    flat ``payloads`` starting at ``offsets[i]``, into row ``rows[i]`` of ``targets_bits``."""
+    decode_many_loop(decode_reference, layout=layout, payloads=payloads, rows=rows, offsets=offsets,
+                     targets_bits=targets_bits)
+
+
 @register_codec
 class DeltaCodec(Codec):
     """Temporal delta, widths predicted by each value's previous exponent, exceptions per block.
@@ -370,6 +378,7 @@ class DeltaCodec(Codec):
     codec_id = 2
     encode_reference = staticmethod(encode_reference)
     decode_reference = staticmethod(decode_reference)
+    decode_many_reference = staticmethod(decode_many_reference)
     kernels = "ciera.kernels.delta"
 
     def __init__(self, *, dtype: torch.dtype, numel: int, backend: str = "auto", block_size: int = 128):

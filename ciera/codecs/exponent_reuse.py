@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import HEADER_BYTES, Codec, align_up
+from .base import HEADER_BYTES, Codec, align_up, decode_many_loop
 from .bitpack import pack_bits, unpack_bits
 from .formats import FloatFormat, as_bits
 from .registry import register_codec
@@ -163,6 +163,14 @@ def decode_reference(*, layout: ExponentReuseLayout, payload: torch.Tensor, targ
             target_bits.copy_(full[:n])
 
 
+def decode_many_reference(*, layout, payloads: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor,
+                          targets_bits: torch.Tensor) -> None:
+    """Pure-torch batched decoder (CONTRACT.md item 3): :func:`decode_reference` on each payload of
+    flat ``payloads`` starting at ``offsets[i]``, into row ``rows[i]`` of ``targets_bits``."""
+    decode_many_loop(decode_reference, layout=layout, payloads=payloads, rows=rows, offsets=offsets,
+                     targets_bits=targets_bits)
+
+
 @register_codec
 class ExponentReuseCodec(Codec):
     """Cross-iteration exponent reuse with exact change detection. State: previous exponents."""
@@ -171,6 +179,7 @@ class ExponentReuseCodec(Codec):
     codec_id = 1
     encode_reference = staticmethod(encode_reference)
     decode_reference = staticmethod(decode_reference)
+    decode_many_reference = staticmethod(decode_many_reference)
     kernels = "ciera.kernels.exponent_reuse"
 
     def __init__(self, *, dtype: torch.dtype, numel: int, backend: str = "auto", block_size: int = 8):

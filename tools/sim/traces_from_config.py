@@ -16,9 +16,8 @@ What each number is and where it comes from (every assumption is also written in
   (backward = 2 x forward); the optimizer step is left out (equal for raw and CIERA).
 * **Wire ratios**: the real codecs (``ciera.codecs``, default block sizes) run on an
   :class:`ciera.trajectory.AdamTrajectory` sample (bf16, lr 1e-4, ``--sample-numel`` values, 30
-  warmup steps then 10 measured steps). The ratio is the capacity the gather would send: the
-  codec's ``clamp_capacity`` of ``capacity_headroom`` (from :class:`ciera.CieraConfig`) x the
-  largest payload needed, over the raw bytes. Cached in ``<out-dir>/codec_sample.json``; the same
+  warmup steps then 10 measured steps). The ratio is what the gather would send: exact payloads
+  at the agreed size, i.e. the largest payload needed (16-aligned), over the raw bytes. Cached in ``<out-dir>/codec_sample.json``; the same
   sample serves every bucket (no per-type change rates: a synthetic trajectory has none).
 * **Codec throughput on A100**: not measurable here (no GPU). ``--speed NAME=ENC,DEC`` in GB/s of
   raw bytes; the defaults are assumptions for fused Triton kernels (exponent_reuse moves ~2.5 bytes
@@ -30,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +38,6 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
-from ciera import CieraConfig  # noqa: E402
 from ciera.codecs import available_codecs, make_codec, read_headers  # noqa: E402
 from ciera.cost_model import measure_codec_speed  # noqa: E402
 from ciera.trajectory import AdamTrajectory  # noqa: E402
@@ -107,7 +104,6 @@ def buckets_for(cfg: MoEConfig, *, layers: int, seq: int) -> list[dict]:
 
 def codec_sample(*, numel: int, lr: float, warmup: int = 30, steps: int = 10, seed: int = 0) -> dict:
     """Run every registered codec on one AdamTrajectory sample: needed/raw and capacity/raw ratios."""
-    headroom = CieraConfig().capacity_headroom
     res = {}
     for name in available_codecs():
         if name == "raw":
@@ -122,7 +118,7 @@ def codec_sample(*, numel: int, lr: float, warmup: int = 30, steps: int = 10, se
         for _ in range(steps):
             codec.encode(shard=traj.step().contiguous(), state=state, out=out)
             needed.append(int(read_headers(out.view(1, -1))[0, 2]))
-        cap = codec.clamp_capacity(math.ceil(headroom * max(needed)))
+        cap = codec.clamp_capacity(max(needed))  # exact payloads at the agreed (largest) size
         speed = measure_codec_speed(codec=codec, repeats=2)
         res[name] = dict(needed_ratio_mean=sum(needed) / len(needed) / codec.raw_bytes,
                          needed_ratio_max=max(needed) / codec.raw_bytes, wire_ratio=cap / codec.raw_bytes,
