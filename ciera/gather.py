@@ -103,8 +103,8 @@ class CieraAllGather:
     dtype and size, and fails with a clear error otherwise.
 
     Per step, either call :meth:`prepare` then :meth:`start` (one small size agreement per bucket),
-    or prepare every bucket of a group at once with :func:`ciera.agreement.agree_sizes` (one
-    agreement for all of them), then :meth:`start` each.
+    or prepare every bucket of a group at once with :meth:`prepare_many` (one agreement for all of
+    them), then :meth:`start` each.
     """
 
     def __init__(self, buffer: torch.Tensor, *, group=None, config: CieraConfig | None = None,
@@ -159,6 +159,12 @@ class CieraAllGather:
                 speeds={n: m.codec_for(codec=c, group=group, device=dev) for n, c in self._codecs.items()})
 
     # -- public API ------------------------------------------------------------------------------
+    @staticmethod
+    def prepare_many(gathers, *, group=None) -> list[Plan]:
+        """:meth:`prepare` for many gathers of ``group`` with ONE size agreement
+        (:func:`ciera.agreement.agree_sizes`)."""
+        return agree_sizes(gathers, group=group)
+
     def prepare(self) -> None:
         """Encode this rank's shard now and agree the sizes of this bucket alone (one small
         collective; the host reads it). Call once the shard holds its new values (right after the

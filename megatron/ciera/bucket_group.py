@@ -6,11 +6,17 @@ data-parallel group (dense buckets) or expert data-parallel group (expert bucket
 synchronously right after the optimizer step or, with ``overlap_param_gather``, asynchronously
 from the next forward's pre-hooks, which call ``finish_param_sync`` -> ``param_gather_handle.wait()``.
 
-:func:`install` replaces ``start_param_sync`` on each bucket group of a DDP model by
-:func:`_start_param_sync`, which starts one :class:`ciera.CieraAllGather` per bucket and stores a
-handle whose ``wait()`` completes the gathers (and their in-place decode). Everything else
-(``finish_param_sync``, the prefetch chain, dispatch bookkeeping) stays upstream's. A bucket group
-in a mode CIERA does not handle keeps upstream's gather, announced by one log line.
+:func:`install` builds one :class:`ciera.CieraAllGather` per bucket (measuring link and codec
+speeds then) and replaces ``start_param_sync`` on each bucket group of a DDP model by
+:func:`_start_param_sync`, which starts the bucket group's gathers and stores a handle whose
+``wait()`` completes them (and their in-place decode). Everything else (``finish_param_sync``, the
+prefetch chain, dispatch bookkeeping) stays upstream's. A bucket group in a mode CIERA does not
+handle keeps upstream's gather, announced by one log line.
+
+Per step: the optimizer's step marks the bucket groups it wrote; the first gather of a process
+group after that (or :func:`prepare_param_gathers`, right after the optimizer step) encodes every
+written bucket of the group and agrees all their payload sizes in ONE small collective; each
+written group is then gathered exactly once, and a group nobody wrote is not gathered again.
 
 Invariant the gathers rely on: between two gathers of a bucket, only this rank's own shard of
 ``param_data`` changes (the optimizer writes it). Anything else that writes parameter buffers
@@ -88,20 +94,53 @@ class _GroupHandle:
 
 
 @dataclass
+class _Binding:
+    """State shared by the bucket groups of one :func:`install`."""
+
+    groups: list = field(default_factory=list)
+    """Every installed bucket group, in install order (the same on every rank)."""
+    tracks_writes: bool = False
+    """The optimizer's steps mark the bucket groups they write (``install(optimizer=...)``);
+    otherwise every ``start_param_sync`` gathers."""
+
+    def prepare(self, process_group) -> int:
+        """Encode every bucket of the written, not yet prepared bucket groups of ``process_group``
+        and agree all their sizes in ONE collective (:func:`ciera.agreement.agree_sizes`). Every rank
+        selects the same groups in the same order (the written flags follow the same optimizer
+        steps everywhere). Returns the number of buckets prepared."""
+        todo = [bg for bg in self.groups if bg._ciera.process_group is process_group and bg._ciera.written
+                and not bg._ciera.prepared and bg.param_gather_handle is None]
+        gathers = [g for bg in todo for g in bg._ciera.gathers]
+        if gathers:
+            type(gathers[0]).prepare_many(gathers, group=process_group)
+        for bg in todo:
+            bg._ciera.prepared = True
+        return len(gathers)
+
+
+@dataclass
 class _GroupState:
-    """CIERA state of one bucket group; gathers are built at its first gather (collectively)."""
+    """CIERA state of one bucket group."""
 
     name: str
-    config: object
-    make_gather: Callable
-    measurements: dict
-    """Process group -> ``ciera.selection.Measurements``, shared by every bucket group of one
-    :func:`install`, so link and codec speeds are measured once per group."""
-    gathers: list = field(default_factory=list)
+    binding: _Binding
+    process_group: object
+    gathers: list
+    written: bool = True
+    """Some shard changed since this group's last gather. With optimizer tracking it starts
+    False: like upstream (no gather before the first step in synchronous mode), the buffers built
+    from identically initialised parameters already agree; a load must call
+    :func:`invalidate_param_caches`, which sets it."""
+    prepared: bool = False
+    """Encoded and sizes agreed for the next gather."""
 
 
 def _start_param_sync(bucket_group, force_sync: bool = False):
-    """Upstream ``start_param_sync``'s distributed-optimizer branch, with CIERA gathers."""
+    """Upstream ``start_param_sync``'s distributed-optimizer branch, with CIERA gathers.
+
+    A group no optimizer wrote since its last gather is not gathered again: its buffers already
+    hold what a gather would deliver (megatron-core's chained optimizers call this for every group
+    once per optimizer)."""
     state = bucket_group._ciera
     post_sync = upstream_post_sync(bucket_group)
     overlap = bucket_group.ddp_config.overlap_param_gather
@@ -116,26 +155,49 @@ def _start_param_sync(bucket_group, force_sync: bool = False):
         # Prevents a second gather into the same buffers while one is in flight.
         assert bucket_group.param_gather_handle is None
 
-    if not state.gathers:
-        group = bucket_group.intra_distributed_optimizer_instance_group
-        if group not in state.measurements:
-            from ciera.selection import Measurements
-
-            state.measurements[group] = Measurements()
-        state.gathers = [
-            state.make_gather(bucket.param_data, group=group, config=state.config, name=f"{state.name}.bucket{i}",
-                              measurements=state.measurements[group])
-            for i, bucket in enumerate(bucket_group.buckets)
-        ]
-    handle = _GroupHandle([gather.start() for gather in state.gathers])
-    if overlap and not force_sync:
-        bucket_group.param_gather_handle = handle
-    else:
-        handle.wait()
-        bucket_group.param_gather_handle = None
+    if state.written:
+        if not state.prepared:
+            state.binding.prepare(state.process_group)
+        handle = _GroupHandle([gather.start() for gather in state.gathers])
+        state.prepared = False
+        state.written = not state.binding.tracks_writes
+        if overlap and not force_sync:
+            bucket_group.param_gather_handle = handle
+        else:
+            handle.wait()
+            bucket_group.param_gather_handle = None
     if force_sync and overlap and post_sync is not None:
         post_sync()
     bucket_group.param_gather_dispatched = True
+
+
+def _track_optimizer_writes(optimizer, groups) -> bool:
+    """Wrap each distributed optimizer's ``step_with_ready_grads`` (on the instance) so that it
+    marks the bucket groups whose parameter buffers it owns as written before it steps (and, in
+    synchronous mode, gathers). Returns False when ``optimizer`` exposes no buffers to map."""
+    optimizers = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    by_storage = {}
+    for bg in groups:
+        for bucket in bg.buckets:
+            by_storage.setdefault(bucket.param_data.untyped_storage().data_ptr(), []).append(bg)
+    mapped = False
+    for opt in optimizers:
+        buffers = getattr(opt, "buffers", None)
+        if buffers is None or not hasattr(opt, "step_with_ready_grads"):
+            if getattr(opt, "is_stub_optimizer", False):
+                continue
+            return False
+        owned = [bg for buf in buffers for bg in by_storage.get(buf.param_data.untyped_storage().data_ptr(), [])]
+        mapped = mapped or bool(owned)
+        original = opt.step_with_ready_grads
+
+        def step_with_ready_grads(*a, _original=original, _owned=tuple(owned), **k):
+            for bg in _owned:
+                bg._ciera.written = True
+            return _original(*a, **k)
+
+        opt.step_with_ready_grads = step_with_ready_grads
+    return mapped
 
 
 def _bucket_groups(ddp_model) -> list[tuple[str, object]]:
@@ -145,17 +207,26 @@ def _bucket_groups(ddp_model) -> list[tuple[str, object]]:
 
 
 def install(ddp_models: Iterable, config, optimizer_config=None, make_gather: Callable | None = None,
-            log: Callable[[str], None] | None = None) -> int:
+            log: Callable[[str], None] | None = None, optimizer=None) -> int:
     """Gather the parameters of ``ddp_models`` (Megatron-Core DDP modules) with CIERA.
 
     ``config`` is the :class:`ciera.CieraConfig` for every bucket; ``make_gather`` defaults to
-    :class:`ciera.CieraAllGather` (tests pass a fake). Call on every rank, after the model and
-    optimizer are built and before the first gather. Returns the number of bucket groups now on
-    CIERA; the others keep upstream's gather and are reported in one line through ``log``."""
+    :class:`ciera.CieraAllGather` (tests pass a fake). ``optimizer`` (the Megatron optimizer, chained
+    or not): its steps mark the bucket groups they write, so a group is gathered once per step
+    even when several optimizers each ask for every group; without it every request gathers.
+
+    Call on every rank, after the model and optimizer are built and before the first gather: the
+    gathers are built here (collectively, one process group after the other in the same order on
+    every rank; ``make_gather`` is a class with ``prepare_many(gathers, *, group)``, like
+    :class:`ciera.CieraAllGather`), which is also when link and codec speeds are measured, at the real bucket sizes.
+    Returns the number of bucket groups now on CIERA; the others keep upstream's gather and are
+    reported in one line through ``log``."""
     if make_gather is None:
         from ciera import CieraAllGather as make_gather
+    from ciera.selection import Measurements
+
     log = log or logger.warning
-    installed, fallbacks, measurements = 0, {}, {}
+    binding, fallbacks, measurements = _Binding(), {}, {}
     for chunk, ddp_model in enumerate(ddp_models):
         for name, bucket_group in _bucket_groups(ddp_model):
             if hasattr(bucket_group, "_ciera"):
@@ -165,16 +236,26 @@ def install(ddp_models: Iterable, config, optimizer_config=None, make_gather: Ca
                 fallbacks.setdefault(reason, []).append(name)
                 continue
             prefix = name if chunk == 0 else f"chunk{chunk}.{name}"
-            bucket_group._ciera = _GroupState(prefix, config, make_gather, measurements)
+            group = bucket_group.intra_distributed_optimizer_instance_group
+            m = measurements.setdefault(group, Measurements())
+            gathers = [make_gather(bucket.param_data, group=group, config=config, name=f"{prefix}.bucket{i}",
+                                   measurements=m) for i, bucket in enumerate(bucket_group.buckets)]
+            bucket_group._ciera = _GroupState(prefix, binding, group, gathers)
             # An instance attribute shadows the class method: finish_param_sync, the prefetch
             # chain and DDP.start_param_sync all call self.start_param_sync and reach this.
             bucket_group.start_param_sync = _start_param_sync.__get__(bucket_group)
-            installed += 1
+            binding.groups.append(bucket_group)
+    if optimizer is not None and binding.groups:
+        binding.tracks_writes = _track_optimizer_writes(optimizer, binding.groups)
+        for bg in binding.groups:
+            bg._ciera.written = not binding.tracks_writes
+        if not binding.tracks_writes:
+            log("CIERA all-gather: the optimizer exposes no parameter buffers; every start_param_sync gathers")
     if fallbacks:
         parts = "; ".join(f"{reason}: {', '.join(names)}" for reason, names in fallbacks.items())
         log(f"CIERA all-gather: {sum(map(len, fallbacks.values()))} bucket group(s) keep Megatron's "
             f"uncompressed all-gather ({parts})")
-    return installed
+    return len(binding.groups)
 
 
 def _installed(ddp_models):
@@ -195,26 +276,27 @@ def uninstall(ddp_models: Iterable) -> None:
 
 
 def invalidate_param_caches(ddp_models: Iterable) -> None:
-    """Make the next gather of every bucket raw. Call on every rank after anything but the
-    optimizer step wrote parameter buffers: checkpoint load, broadcast_params, offload/reload."""
+    """Make the next gather of every bucket raw (and due). Call on every rank after anything but
+    the optimizer step wrote parameter buffers: checkpoint load, broadcast_params, offload/reload."""
     for bucket_group in _installed(ddp_models):
+        bucket_group._ciera.written = True
+        bucket_group._ciera.prepared = False
         for gather in bucket_group._ciera.gathers:
             gather.invalidate()
 
 
 def prepare_param_gathers(ddp_models: Iterable) -> int:
-    """Encode every bucket's shard now, right after the optimizer wrote it (side CUDA stream on
-    GPU), so that the gathers the next forward dispatches only launch their collectives and only
-    decoding stays on the critical path. Skips bucket groups whose gather is already dispatched
-    and groups not gathered yet (their gathers are built at their first dispatch). Returns the
-    number of buckets prepared."""
-    n = 0
-    for bucket_group in _installed(ddp_models):
-        if bucket_group.param_gather_dispatched or bucket_group.param_gather_handle is not None:
-            continue
-        for gather in bucket_group._ciera.gathers:
-            gather.prepare()
-            n += 1
+    """The once-per-step size agreement: right after the optimizer step, encode every written
+    bucket's shard (side CUDA stream on GPU) and agree the sizes of all buckets of each process
+    group in ONE small collective per group. The gathers the next forward dispatches then only
+    launch their collectives; nothing after this reads the host until the next step. Skips bucket
+    groups whose gather is already dispatched. Returns the number of buckets prepared."""
+    groups = [bg for bg in _installed(ddp_models) if not bg.param_gather_dispatched]
+    n, seen = 0, []
+    for bg in groups:
+        if not any(bg._ciera.process_group is s for s in seen):
+            seen.append(bg._ciera.process_group)
+            n += bg._ciera.binding.prepare(bg._ciera.process_group)
     return n
 
 

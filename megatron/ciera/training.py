@@ -325,7 +325,8 @@ def train(args) -> str:
 
     ciera_config = ciera_config_from_args(args)
     if ciera_config is not None:
-        n = ciera_binding.install([model], ciera_config, optimizer_config=opt_config, log=_print0)
+        n = ciera_binding.install([model], ciera_config, optimizer_config=opt_config, log=_print0,
+                                  optimizer=optimizer)
         _print0(f"CIERA all-gather on {n} bucket group(s): {ciera_config}")
 
     layout = {"world": dist.get_world_size(), "ep": args.expert_model_parallel_size,

@@ -47,6 +47,10 @@ class FakeGather:
     def invalidate(self):
         self.invalidations += 1
 
+    @staticmethod
+    def prepare_many(gathers, *, group):
+        FakeGather.log.append(("agree", tuple(g.name for g in gathers)))
+
     @property
     def stats(self):
         return SimpleNamespace(raw_bytes=4, wire_bytes=2, gathers=1, raw_gathers=0, overflows=0, codec="fake")
@@ -88,14 +92,16 @@ def test_synchronous_gather_starts_and_waits_every_bucket():
     group = make_group()
     ddp = fake_ddp(group)
     assert binding.install([ddp], config="cfg", make_gather=FakeGather) == 1
-    assert FakeGather.log == []  # gathers are built lazily, at the first gather
+    # Gathers are built at install (link and codec speeds are measured there).
+    assert FakeGather.log == [("init", "dense0.bucket0"), ("init", "dense0.bucket1")]
     group.start_param_sync()
-    assert FakeGather.log == [("init", "dense0.bucket0"), ("init", "dense0.bucket1"),
-                              ("start", "dense0.bucket0"), ("start", "dense0.bucket1"),
-                              ("wait", "dense0.bucket0"), ("wait", "dense0.bucket1")]
+    assert FakeGather.log[2:] == [("agree", ("dense0.bucket0", "dense0.bucket1")),
+                                  ("start", "dense0.bucket0"), ("start", "dense0.bucket1"),
+                                  ("wait", "dense0.bucket0"), ("wait", "dense0.bucket1")]
     assert group.param_gather_handle is None and group.param_gather_dispatched
     assert all(torch.equal(b.param_data[4:], torch.full((4,), 7, dtype=torch.bfloat16)) for b in group.buckets)
-    group.start_param_sync()  # second gather reuses the gathers
+    group.start_param_sync()  # without optimizer tracking every request gathers, with the same gathers
+    assert [e[0] for e in FakeGather.log].count("start") == 4
     assert [e for e in FakeGather.log if e[0] == "init"] == [("init", "dense0.bucket0"), ("init", "dense0.bucket1")]
 
 
@@ -105,7 +111,8 @@ def test_overlapped_gather_is_waited_by_upstream_finish_param_sync(cls):
     first.next_param_gather_bucket_group = second
     binding.install([fake_ddp(first, expert=[second])], config="cfg", make_gather=FakeGather)
     first.finish_param_sync()  # forward pre-hook: dispatch, wait, prefetch the next group
-    assert FakeGather.log[:3] == [("init", "dense0.bucket0"), ("start", "dense0.bucket0"), ("wait", "dense0.bucket0")]
+    assert FakeGather.log[2:5] == [("agree", ("dense0.bucket0",)), ("start", "dense0.bucket0"),
+                                   ("wait", "dense0.bucket0")]
     assert FakeGather.log[-1] == ("start", "expert0.bucket0")
     assert second.param_gather_handle is not None
     second.start_param_sync(force_sync=True)  # e.g. disable_forward_pre_hook: finish the one in flight
@@ -117,7 +124,7 @@ def test_forced_sync_without_gather_in_flight_gathers_synchronously():
     group = make_group(overlap=True, n_buckets=1, cls=Group019)
     binding.install([fake_ddp(group)], config="cfg", make_gather=FakeGather)
     group.start_param_sync(force_sync=True)
-    assert [e[0] for e in FakeGather.log] == ["init", "start", "wait"]
+    assert [e[0] for e in FakeGather.log] == ["init", "agree", "start", "wait"]
     assert group.param_gather_handle is None and group.param_gather_dispatched and group.post_syncs == 1
 
 
@@ -133,10 +140,10 @@ def test_invalidate_stats_and_uninstall():
     group = make_group()
     ddp = fake_ddp(group)
     binding.install([ddp], config="cfg", make_gather=FakeGather)
-    binding.invalidate_param_caches([ddp])  # before the first gather: nothing to invalidate
+    binding.invalidate_param_caches([ddp])
     group.start_param_sync()
     binding.invalidate_param_caches([ddp])
-    assert [g.invalidations for g in group._ciera.gathers] == [1, 1]
+    assert [g.invalidations for g in group._ciera.gathers] == [2, 2]
     assert [name for name, _ in binding.bucket_stats([ddp])] == ["dense0.bucket0", "dense0.bucket1"]
     binding.uninstall([ddp])
     assert "start_param_sync" not in vars(group) and not hasattr(group, "_ciera")
@@ -198,3 +205,75 @@ def test_bucket_groups_of_one_process_group_share_measurements():
         bg.start_param_sync()
     shared = {id(g.measurements) for bg in (a, b) for g in bg._ciera.gathers}
     assert len(shared) == 1 and id(other._ciera.gathers[0].measurements) not in shared
+
+
+class FakeDistOpt:
+    """The two things the binding reads of a megatron-core DistributedOptimizer: its parameter
+    buffers and ``step_with_ready_grads``, which (synchronous mode) asks every model chunk's DDP to
+    gather every bucket group, as upstream does."""
+
+    def __init__(self, param_buffers, ddps, overlap):
+        self.buffers = [SimpleNamespace(param_data=b) for b in param_buffers]
+        self.ddps, self.overlap, self.steps = ddps, overlap, 0
+
+    def step_with_ready_grads(self):
+        self.steps += 1
+        if not self.overlap:
+            for ddp in self.ddps:
+                for bg in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
+                    bg.start_param_sync()
+        return True
+
+
+def _grouped_buckets(overlap, storage):
+    """A bucket group whose two buckets are views of one parameter buffer ``storage``."""
+    cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=overlap,
+                                        overlap_param_gather=overlap)
+    buckets = [_ParamAndGradBucket(params=[], param_data=storage[8 * i: 8 * (i + 1)], grad_data=torch.zeros(8),
+                                   offset=8 * i, numel_unpadded=8, gradient_scaling_factor=1.0, bucket_id=i)
+               for i in range(2)]
+    return _ParamAndGradBucketGroup(buckets, cfg, FakeGroup(), 2)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_chained_optimizers_gather_each_bucket_once_per_step(overlap):
+    """EP > 1: a dense and an expert distributed optimizer, chained. Upstream asks for every group
+    from both optimizers' steps (sync); each bucket must still be gathered once per step, after
+    the optimizer that owns it has written it, with one size agreement per process group."""
+    dense_buf, expert_buf = torch.zeros(16, dtype=torch.bfloat16), torch.zeros(16, dtype=torch.bfloat16)
+    dense, expert = _grouped_buckets(overlap, dense_buf), _grouped_buckets(overlap, expert_buf)
+    expert.intra_distributed_optimizer_instance_group = FakeGroup()  # the expert data-parallel group
+    dense.next_param_gather_bucket_group = expert
+    ddp = fake_ddp(dense, expert=[expert])
+    chained = SimpleNamespace(chained_optimizers=[])
+    chained.chained_optimizers = [FakeDistOpt([dense_buf], [ddp], overlap), FakeDistOpt([expert_buf], [ddp], overlap)]
+    binding.install([ddp], config="cfg", make_gather=FakeGather, optimizer=chained)
+    steps = 3
+
+    def forward_backward():
+        if overlap:
+            dense.finish_param_sync()  # first forward pre-hook (prefetches the expert group)
+            expert.finish_param_sync()
+        for bg in (dense, expert):
+            bg.param_gather_dispatched = False  # finish_grad_sync, in the backward
+
+    for _ in range(steps):
+        forward_backward()
+        for opt in chained.chained_optimizers:  # ChainedOptimizer.step_with_ready_grads
+            opt.step_with_ready_grads()
+        if overlap:
+            assert binding.prepare_param_gathers([ddp]) == 4
+    forward_backward()  # the next iteration's forward gathers the last step's parameters
+    starts = [name for kind, name in FakeGather.log if kind == "start"]
+    agrees = [names for kind, names in FakeGather.log if kind == "agree"]
+    names = ["dense0.bucket0", "dense0.bucket1", "expert0.bucket0", "expert0.bucket1"]
+    for name in names:
+        assert starts.count(name) == steps, (name, starts)
+    # One agreement per process group and step, covering all its written buckets.
+    assert agrees.count(("dense0.bucket0", "dense0.bucket1")) == steps
+    assert agrees.count(("expert0.bucket0", "expert0.bucket1")) == steps
+    assert len(agrees) == 2 * steps
+    if not overlap:  # sync: a group is gathered right after its own optimizer's step, not before
+        order = [e for e in FakeGather.log if e[0] in ("start", "agree")][:6]
+        assert order[0] == ("agree", ("dense0.bucket0", "dense0.bucket1"))
+        assert order[3] == ("agree", ("expert0.bucket0", "expert0.bucket1"))
