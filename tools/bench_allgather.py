@@ -4,7 +4,9 @@
 Every rank advances its shard along an AdamW trajectory (``ciera.trajectory``); each step the same
 new shard is gathered twice: by ``all_gather_into_tensor`` into one buffer and by CieraAllGather
 into another, alternating which goes first. The two buffers are compared bit for bit. Printed per
-buffer size and codec: median time per gather of each, their ratio, and bytes received per rank.
+buffer size and codec: median time per gather of each, their ratio, and bytes received per rank:
+``wire/raw`` (what the collectives carried) next to ``payload/raw`` (what the codec itself needed,
+summed over ranks) and their quotient, the price of equal-size payloads at the agreed size.
 
     python tools/bench_allgather.py                       # gloo, 4 ranks, 16M and 64M values
     python tools/bench_allgather.py --backend nccl        # one process per GPU (torchrun-less spawn)
@@ -90,8 +92,8 @@ def main(argv=None) -> int:
 
     print(f"# bench_allgather: {args.backend}, {args.world} ranks, bf16, lr {args.lr:g}, warmup {args.warmup}, "
           f"{args.steps} timed steps, torch {torch.__version__}")
-    lines = ["| values | codec | plain ms | CIERA ms | speed-up | wire/raw | overflows | raw gathers |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| values | codec | plain ms | CIERA ms | speed-up | wire/raw | payload/raw | wire/payload | raw gathers |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for numel in args.numel:
         results = run_on_ranks(_worker, world=args.world,
                                args=(numel, args.codecs, args.lr, args.warmup, args.steps, "cpu"))
@@ -102,8 +104,10 @@ def main(argv=None) -> int:
         for c in args.codecs:
             s = results[0]["stats"][c]
             t = med(c)
+            wire, payload = s.wire_bytes / s.raw_bytes, s.payload_bytes / s.raw_bytes
             lines.append(f"| {numel:,} | {c} | {plain * 1e3:.1f} | {t * 1e3:.1f} | {plain / t:.2f}x "
-                         f"| {s.wire_bytes / s.raw_bytes:.3f} | {s.overflows} | {s.raw_gathers} |")
+                         f"| {wire:.4f} | {payload:.4f} | {wire / payload if payload else float('nan'):.4f} "
+                         f"| {s.raw_gathers} |")
             print(lines[-1], flush=True)
     table = "\n".join(lines)
     print(table)

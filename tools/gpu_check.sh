@@ -15,3 +15,9 @@ $PY -m pytest -q -p no:cacheprovider tests/kernels tests/codecs/test_delta.py -k
 $PY tools/bench_codec.py --device cuda --numel "${NUMEL:-67108864}" --out-md "$OUT/codec_triton.md"
 $PY tools/bench_codec.py --device cuda --numel "${NUMEL:-67108864}" --backend torch --codecs exponent_reuse delta \
     --out-md "$OUT/codec_torch_reference.md"
+# The gather's batched decode on one GPU: decode_many over world-1 payloads vs a loop of decode,
+# and the kernel launches per bucket (fixed, independent of the world size, once decode_many_triton lands).
+for W in 4 8; do
+  $PY tools/bench_decode_many.py --device cuda --numel "${DECODE_NUMEL:-4194304}" --world "$W" \
+      --out-md "$OUT/decode_many_w$W.md"
+done

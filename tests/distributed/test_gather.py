@@ -200,3 +200,102 @@ def test_stats_add_up():
         assert s.payload_bytes <= s.wire_bytes
         assert 0.0 < s.change_rate < 0.5
         assert s.ratio > 1.2
+
+
+def _old_linear_checksum(bits):
+    v = bits.to(torch.int64)
+    return int(v.sum()), int((v * torch.arange(1, v.numel() + 1)).sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_verify_hash_catches_plus1_minus2_plus1(dtype):
+    """The pattern a linear position-weighted checksum misses: +1, -2, +1 ulps on neighbours."""
+    from ciera.gather import shard_hashes
+
+    buf = AdamTrajectory(numel=2 * 4096, dtype=dtype, seed=3).current().clone()
+    before = shard_hashes(buf, 2, salt=7)
+    for at in (0, 17, 4093, 5000):
+        bad = buf.clone()
+        bits = as_bits(bad)
+        bits[at : at + 3] += torch.tensor([1, -2, 1], dtype=bits.dtype)
+        assert _old_linear_checksum(as_bits(buf)) == _old_linear_checksum(bits)  # the old check's blind spot
+        after = shard_hashes(bad, 2, salt=7)
+        shard = at // 4096
+        assert after[shard] != before[shard] and after[1 - shard] == before[1 - shard]
+    assert torch.equal(shard_hashes(buf, 2, salt=7), before)  # deterministic
+    assert not torch.equal(shard_hashes(buf, 2, salt=8), before)  # salted per check
+
+
+def _stale_pattern_worker(rank, world):
+    n = 2048
+    buf = torch.zeros(n * world, dtype=torch.bfloat16)
+    traj = AdamTrajectory(numel=n, seed=rank)
+    gather = CieraAllGather(buf, config=CieraConfig(codec="delta", selection="always", verify_interval=1))
+    for _ in range(3):
+        buf.view(world, -1)[rank].copy_(traj.step())
+        gather.start().wait()
+    if rank == 1:  # rank 1's cache of shard 0 goes stale by +1, -2, +1 units
+        as_bits(buf)[100:103] += torch.tensor([1, -2, 1], dtype=torch.int16)
+    errors = []
+    for _ in range(3):
+        buf.view(world, -1)[rank].copy_(traj.step())
+        try:
+            gather.start().wait()
+        except CieraVerifyError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_verify_catches_a_stale_receiver_with_the_linear_blind_spot():
+    # Caught at the first verified gather on every rank; the failure makes the next gather raw
+    # everywhere, which resyncs the cache, so the later checks pass.
+    for errors in run_on_ranks(_stale_pattern_worker, world=2):
+        assert len(errors) == 1 and "shard 0" in errors[0] and "[1]" in errors[0], errors
+
+
+def _failure_worker(rank, world):
+    """Rank 1's encode fails once; later rank 0's decode fails once. Every rank must stay on the
+    same path (one agreed raw gather each time) and bit-exact."""
+    n = 2048
+    buf = torch.zeros(n * world, dtype=torch.bfloat16)
+    ref = torch.zeros_like(buf)
+    traj = AdamTrajectory(numel=n, seed=rank)
+    gather = CieraAllGather(buf, config=CieraConfig(codec="delta", selection="always"))
+    codec = gather.codec
+    raised = []
+
+    def failing(method, exc):
+        original = getattr(codec, method)
+
+        def once(**kw):
+            setattr(codec, method, original)
+            raise exc
+        setattr(codec, method, once)
+
+    plans = []
+    for step in range(12):
+        x = traj.step()
+        buf.view(world, -1)[rank].copy_(x)
+        if step == 4 and rank == 1:
+            failing("encode", RuntimeError("injected encode failure"))
+        if step == 8 and rank == 0:
+            failing("decode_many", RuntimeError("injected decode failure"))
+        gather.prepare()
+        plans.append(gather._plan.raw)
+        try:
+            gather.start().wait()
+        except RuntimeError as e:
+            raised.append((step, str(e)))
+            continue
+        dist.all_gather_into_tensor(ref, x)
+        assert torch.equal(as_bits(buf), as_bits(ref)), step
+    return plans, raised, gather.stats
+
+
+def test_local_failures_are_agreed_not_divergent():
+    results = run_on_ranks(_failure_worker, world=2)
+    (plans0, raised0, s0), (plans1, raised1, s1) = results
+    assert plans0 == plans1, "ranks took different paths"
+    assert plans0[4] and plans0[9] and not plans0[3] and not plans0[8]  # agreed raw after each failure
+    assert raised0 == [(8, "injected decode failure")] and raised1 == []
+    assert s0.failures == s1.failures == 2 and s0.raw_gathers == s1.raw_gathers
