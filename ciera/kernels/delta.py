@@ -25,6 +25,11 @@ from ciera.codecs.delta import (
 )
 
 
+REPORT_LOOP_TRIPS = {"_unpack": 1}
+"""Trips of each runtime loop, for tools/kernel_report.py: ``_unpack`` scans its block's exceptions
+``G`` at a time, one trip while a block has fewer than ``G`` exceptions (the usual case)."""
+
+
 @triton.jit
 def _unsigned(x, W: tl.constexpr):
     return x.to(tl.int64) & ((1 << W) - 1)
