@@ -16,6 +16,8 @@ Decoding: ``_group_bits`` (sizes from the previous values and the table), the sa
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -123,31 +125,49 @@ def _pack(shard_ptr, state_ptr, out_ptr, table_ptr, raw_ptr, gstart_ptr, gexc_pr
 
 
 @triton.jit
-def _group_bits(target_ptr, table_ptr, bits_ptr, n, W: tl.constexpr, MANT: tl.constexpr,
-                EXPMASK: tl.constexpr, G: tl.constexpr):
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * G + tl.arange(0, G)
-    valid = offs < n
-    u_old = _unsigned(tl.load(target_ptr + offs, mask=valid, other=0), W)
-    w = tl.load(table_ptr + ((u_old >> MANT) & EXPMASK), mask=valid, other=0).to(tl.int64)
-    tl.store(bits_ptr + pid, tl.sum(w, axis=0))
+def _row_bases(rows_ptr, offsets_ptr, n, BATCHED: tl.constexpr):
+    """(payload byte offset, target value offset) of ``program_id(1)``'s row in a batched decode."""
+    if BATCHED:
+        r = tl.program_id(1)
+        return tl.load(offsets_ptr + r), tl.load(rows_ptr + r) * n
+    else:
+        return tl.zeros([], tl.int64), tl.zeros([], tl.int64)
 
 
 @triton.jit
-def _unpack(payload_ptr, target_ptr, table_ptr, raw_ptr, gstart_ptr, exc_start_ptr, count_ptr, n,
-            plen, W: tl.constexpr, MANT: tl.constexpr, EXPMASK: tl.constexpr, G: tl.constexpr,
-            NG: tl.constexpr, I: tl.constexpr, S: tl.constexpr):
+def _group_bits(target_ptr, payload_ptr, bits_ptr, rows_ptr, offsets_ptr, n, n_groups, off_table,
+                W: tl.constexpr, MANT: tl.constexpr, EXPMASK: tl.constexpr, G: tl.constexpr,
+                BATCHED: tl.constexpr):
     pid = tl.program_id(0)
+    pbase, tbase = _row_bases(rows_ptr, offsets_ptr, n, BATCHED)
+    offs = pid.to(tl.int64) * G + tl.arange(0, G)
+    valid = offs < n
+    u_old = _unsigned(tl.load(target_ptr + tbase + offs, mask=valid, other=0), W)
+    w = tl.load(payload_ptr + pbase + off_table + ((u_old >> MANT) & EXPMASK), mask=valid, other=0).to(tl.int64)
+    tl.store(bits_ptr + tl.program_id(1).to(tl.int64) * n_groups + pid, tl.sum(w, axis=0))
+
+
+@triton.jit
+def _unpack(payload_ptr, target_ptr, raw_ptr, gstart_ptr, exc_start_ptr, count_ptr, rows_ptr, offsets_ptr,
+            n, n_groups, off_table, plen, W: tl.constexpr, MANT: tl.constexpr, EXPMASK: tl.constexpr,
+            G: tl.constexpr, NG: tl.constexpr, I: tl.constexpr, S: tl.constexpr, BATCHED: tl.constexpr):
+    pid = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    pbase, tbase = _row_bases(rows_ptr, offsets_ptr, n, BATCHED)
+    target_ptr += tbase
+    # Plan offsets are relative to the row's payload start; gstart/exc_start/raw/count are [k, ...].
+    gpid = row * n_groups + pid
     blk = pid // NG
+    gblk = row * (n_groups // NG) + blk
     j = tl.arange(0, G)
     offs = pid.to(tl.int64) * G + j
     valid = offs < n
     u_old = _unsigned(tl.load(target_ptr + offs, mask=valid, other=0), W)
-    raw = tl.load(raw_ptr + blk) != 0
-    w = tl.load(table_ptr + ((u_old >> MANT) & EXPMASK), mask=valid, other=0).to(tl.int64)
+    raw = tl.load(raw_ptr + gblk) != 0
+    w = tl.load(payload_ptr + pbase + off_table + ((u_old >> MANT) & EXPMASK), mask=valid, other=0).to(tl.int64)
     w = tl.where(raw, W, w)
     w = tl.where(valid, w, 0)
-    bitpos = tl.load(gstart_ptr + pid) * 8 + tl.cumsum(w, axis=0) - w
+    bitpos = (pbase + tl.load(gstart_ptr + gpid)) * 8 + tl.cumsum(w, axis=0) - w
     at = bitpos >> 3
     z = tl.zeros([G], tl.int64)
     for t in tl.static_range(W // 8 + 1):
@@ -155,8 +175,8 @@ def _unpack(payload_ptr, target_ptr, table_ptr, raw_ptr, gstart_ptr, exc_start_p
         z |= byte.to(tl.int64) << (8 * t)
     z = (z >> (bitpos & 7)) & ((tl.full(w.shape, 1, tl.int64) << w) - 1)
     # Exceptions of the block that fall in this group, G records at a time.
-    count = tl.load(count_ptr + blk)
-    base = tl.load(exc_start_ptr + blk)
+    count = tl.load(count_ptr + gblk)
+    base = pbase + tl.load(exc_start_ptr + gblk)
     jb = (pid % NG).to(tl.int64) * G + j
     for r0 in range(0, count, G):
         r = r0 + j
@@ -218,11 +238,67 @@ def decode_triton(*, layout: DeltaLayout, payload: torch.Tensor, target_bits: to
     dev = payload.device
     c = _consts(layout)
     n_groups = nb * NG
-    table32 = payload[layout.off_table : layout.off_table + layout.n_classes].to(torch.int32)
     raw, count = read_counts(layout, payload)
     gbits = torch.empty(n_groups, dtype=torch.int64, device=dev)
-    _group_bits[(n_groups,)](target_bits, table32, gbits, n, **c)
+    _group_bits[(n_groups,)](target_bits, payload, gbits, gbits, gbits, n, n_groups, layout.off_table,
+                             BATCHED=False, **c)
     plan = plan_blocks(layout, gbits.view(nb, NG), count, raw)
     _unpack[(n_groups,)](
-        payload, target_bits, table32, raw.to(torch.int32), plan.group_start, plan.exc_start,
-        plan.count, n, payload.numel(), NG=NG, I=layout.index_bytes, S=layout.high_bytes, **c)
+        payload, target_bits, raw.to(torch.int32), plan.group_start, plan.exc_start, plan.count, gbits, gbits,
+        n, n_groups, layout.off_table, payload.numel(), NG=NG, I=layout.index_bytes, S=layout.high_bytes,
+        BATCHED=False, **c)
+
+
+@functools.lru_cache(maxsize=64)
+def _many_scratch(layout: DeltaLayout, k: int, device: torch.device) -> dict:
+    """Index and scratch tensors of a batched decode, cached per (layout, k, device)."""
+    nb, C = layout.n_blocks, layout.count_bytes
+    return dict(
+        count_at=layout.off_counts + torch.arange(nb * C, dtype=torch.int64, device=device),
+        gbits=torch.empty(k, nb * layout.groups_per_block, dtype=torch.int64, device=device),
+        valid=layout.group_valid(device))
+
+
+def _plan_many(layout: DeltaLayout, group_bits: torch.Tensor, count: torch.Tensor, raw: torch.Tensor,
+               valid: torch.Tensor):
+    """:func:`ciera.codecs.delta.plan_blocks` of ``k`` payloads at once (``[k, nb, NG]`` group
+    bits, ``[k, nb]`` counts and raw flags); offsets relative to each payload's start."""
+    S = layout.high_bytes
+    group_bytes = torch.where(raw[..., None], valid * S, (group_bits + 7) // 8)
+    count = torch.where(raw, 0, count)
+    seg = torch.cat([group_bytes, (count * (layout.index_bytes + S))[..., None]], 2)  # [k, nb, NG + 1]
+    ends = layout.off_data + torch.cumsum(seg.view(seg.shape[0], -1), 1).view(seg.shape)
+    starts = ends - seg
+    return count, starts[..., :-1].contiguous(), starts[..., -1].contiguous()
+
+
+def decode_many_triton(*, layout: DeltaLayout, payloads: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor,
+                       targets_bits: torch.Tensor) -> None:
+    """Batched twin of :func:`decode_triton` (CONTRACT.md): payload ``i`` starts at byte ``offsets[i]``
+    of ``payloads`` and decodes into row ``rows[i]`` of ``targets_bits`` (``[world, n]``).
+
+    Two kernel launches (``_group_bits``, ``_unpack``, each over ``(groups, k)``) and a fixed
+    sequence of batched torch ops for the block plan, whatever ``k``; no host reads; scratch
+    cached per (layout, k, device)."""
+    n, nb, NG = layout.numel, layout.n_blocks, layout.groups_per_block
+    k = rows.numel()
+    if targets_bits.dim() != 2 or targets_bits.shape[1] != n or not targets_bits.is_contiguous():
+        raise ValueError(f"delta: targets_bits must be a contiguous [world, {n}] tensor; got {tuple(targets_bits.shape)}")
+    if offsets.numel() != k or rows.dtype != torch.int64 or offsets.dtype != torch.int64:
+        raise ValueError("delta: rows and offsets must be int64 tensors of the same length")
+    if n == 0 or k == 0:
+        return
+    c = _consts(layout)
+    n_groups = nb * NG
+    scratch = _many_scratch(layout, k, payloads.device)
+    cb = payloads[offsets[:, None] + scratch["count_at"]].view(k, nb, layout.count_bytes).to(torch.int64)
+    cnt = (cb << (8 * torch.arange(layout.count_bytes, device=cb.device))).sum(-1)
+    raw = cnt == layout.raw_mark
+    gbits = scratch["gbits"]
+    _group_bits[(n_groups, k)](targets_bits, payloads, gbits, rows, offsets, n, n_groups, layout.off_table,
+                               BATCHED=True, **c)
+    count, gstart, exc_start = _plan_many(layout, gbits.view(k, nb, NG), cnt, raw, scratch["valid"])
+    _unpack[(n_groups, k)](
+        payloads, targets_bits, raw.to(torch.int32), gstart, exc_start, count, rows, offsets,
+        n, n_groups, layout.off_table, payloads.numel(), NG=NG, I=layout.index_bytes, S=layout.high_bytes,
+        BATCHED=True, **c)
