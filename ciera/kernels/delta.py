@@ -1,223 +1,412 @@
 """Triton twins of :mod:`ciera.codecs.delta`: same signatures, same bytes.
 
-One program per group of ``G`` values (a byte-aligned bit stream). Encoding runs three kernels
-with torch glue between them (all on the device, no data-dependent host sync):
+Work is cut in *tiles* of ``TB`` whole blocks (``T = TB * B`` values, about 2048), held as
+``[TB, NG, G]`` register tensors, one program per tile. Launches:
 
-1. ``_class_keys``: ``exponent(previous) * (W + 1) + bit_length(z)`` per value; torch counts
-   them (``index_add_``) and picks the width table (:func:`choose_table`).
-2. ``_group_stats``: table-mode bits and exceptions per group; torch turns them into block and
-   group offsets with one ``cumsum`` (:func:`plan_blocks`).
-3. ``_pack``: every group writes its bit stream (each 32-bit output word assembled from the
-   values that overlap it, no atomics) and its exception records, then updates the sender state.
+encode (3 kernels, a 4th for a partial last tile; no torch glue):
 
-Decoding: ``_group_bits`` (sizes from the previous values and the table), the same plan, then
-``_unpack`` (a gather per value plus the block's exceptions, in place).
+1. ``_hist``: per tile, exponent(previous) x bit length(z) counts (``tl.histogram`` in shared
+   memory, then one atomic add per non-zero bin into a cached global histogram).
+2. ``_table``: one program turns the histogram into the width table (:func:`choose_table`'s rule:
+   minimise ``N*w + E*x(w)``, ties to the smaller ``w``), writes it into the payload and clears the
+   histogram for the next call.
+3. ``_encode_tiles``: per tile, widths, exceptions, the raw decision and every block's size, the
+   tile's byte offset from a decoupled look-back over earlier tiles, then the counts of its blocks,
+   its bit streams (32-bit words built from segmented prefix sums, no overlap matrix), its
+   exception records and the new sender state. The last tile writes the bytes needed.
+
+decode (1 kernel, a 2nd for a partial last tile): ``_decode_tiles``, per tile: widths from the
+previous values and the payload's table, block sizes, the same look-back, then every value's bits
+and its block's exceptions, in place. ``decode_many_triton`` runs the same kernels over
+``k x tiles`` programs.
+
+Full tiles load and store without masks (vectorised whatever the shard length); the partial last
+tile runs in a second launch of the same kernel with masks. Look-back: a ticket counter (cached,
+device side) numbers programs in the order they start, so a tile only waits for tiles that are
+already running; each flag word carries an epoch (the call's number, from the ticket) so that
+no flag ever needs clearing. All launches of one codec shape must be on one stream.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from ciera.codecs.delta import (
-    DeltaLayout, choose_table, count_field, plan_blocks, read_counts,
-)
+from ciera.codecs.delta import DeltaLayout
 
+_TILE_VALUES = 2048
+"""Values per tile (whole blocks, at least 2): 8 per thread with 8 warps."""
+_NUM_WARPS = 8
+_EPOCHS = 1 << 18
+"""Flag words carry ``(epoch % _EPOCHS) + 1`` in bits 44..62, a 2-bit flag in 42..43 (1: the
+tile's own size, 2: sizes of every tile up to it) and the byte count in bits 0..41."""
 
-@triton.jit
-def _unsigned(x, W: tl.constexpr):
-    return x.to(tl.int64) & ((1 << W) - 1)
-
-
-@triton.jit
-def _zigzag(u_new, u_old, W: tl.constexpr):
-    d = (u_new - u_old) & ((1 << W) - 1)
-    return ((d << 1) ^ -(d >> (W - 1))) & ((1 << W) - 1)
+REPORT_LOOP_TRIPS = {"_encode_tiles": 2, "_decode_tiles": 2}
+"""Trips of each runtime loop, for tools/kernel_report.py: the look-back reads one or two flags
+(the tile before has usually published its inclusive prefix); the decoder's exception loop takes
+``T / 8`` records a trip (one trip below ~6% exceptions). Both counted as 2 trips: an upper bound."""
 
 
 @triton.jit
 def _bit_length(z, W: tl.constexpr):
-    n = tl.zeros(z.shape, tl.int64)
-    for i in tl.static_range(W):
-        n += ((z >> i) != 0).to(tl.int64)
-    return n
+    """Bits needed by non-negative ``z`` < 2^W (0 for 0), from the exponent of an exact float."""
+    if W <= 16:
+        e = (z.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF
+        return tl.where(z == 0, 0, e - 126)
+    else:
+        e = (z.to(tl.float64).to(tl.int64, bitcast=True) >> 52) & 0x7FF
+        return tl.where(z == 0, 0, e - 1022)
 
 
 @triton.jit
-def _class_keys(shard_ptr, state_ptr, key_ptr, n, W: tl.constexpr, MANT: tl.constexpr,
-                EXPMASK: tl.constexpr, G: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * G + tl.arange(0, G)
-    valid = offs < n
-    u_new = _unsigned(tl.load(shard_ptr + offs, mask=valid, other=0), W)
-    u_old = _unsigned(tl.load(state_ptr + offs, mask=valid, other=0), W)
-    e = (u_old >> MANT) & EXPMASK
-    key = e * (W + 1) + _bit_length(_zigzag(u_new, u_old, W), W)
-    tl.store(key_ptr + offs, key, mask=valid)
+def _tile_id(counter_ptr, k, n_full, n_tiles, EVEN: tl.constexpr):
+    """(epoch, row, tile) of this program from a ticket: programs are numbered in the order they
+    start, so look-back only ever waits on running programs. Full tiles come from the main launch
+    (``EVEN``), the partial last tile of every row from the second one."""
+    t = tl.atomic_add(counter_ptr, 1)
+    per_call = k * n_tiles
+    epoch = t // per_call
+    rem = t % per_call
+    if EVEN:
+        row = rem // n_full
+        vid = rem % n_full
+    else:
+        row = rem - k * n_full
+        vid = rem * 0 + n_tiles - 1
+    return epoch, row, vid
 
 
 @triton.jit
-def _group_stats(shard_ptr, state_ptr, table_ptr, bits_ptr, exc_ptr, n, W: tl.constexpr,
-                 MANT: tl.constexpr, EXPMASK: tl.constexpr, G: tl.constexpr):
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * G + tl.arange(0, G)
-    valid = offs < n
-    u_new = _unsigned(tl.load(shard_ptr + offs, mask=valid, other=0), W)
-    u_old = _unsigned(tl.load(state_ptr + offs, mask=valid, other=0), W)
-    w = tl.load(table_ptr + ((u_old >> MANT) & EXPMASK), mask=valid, other=0).to(tl.int64)
-    exc = _bit_length(_zigzag(u_new, u_old, W), W) > w
-    tl.store(bits_ptr + pid, tl.sum(w, axis=0))
-    tl.store(exc_ptr + pid, tl.sum(exc.to(tl.int64), axis=0))
+def _look_back(flags_ptr, vid, total, epoch):
+    """Decoupled look-back: publish this tile's ``total`` bytes, return the bytes of all earlier
+    tiles of its chain (``flags_ptr[0 .. vid)``)."""
+    tag = ((epoch % 262144) + 1) << 44
+    first = vid == 0
+    tl.atomic_xchg(flags_ptr + vid, tag | (tl.where(first, 2, 1).to(tl.int64) << 42) | total)
+    prefix = total * 0
+    j = vid - 1
+    while j >= 0:
+        word = tl.atomic_add(flags_ptr + j, 0)
+        state = (word >> 42) & 3
+        ready = ((word >> 44) == (tag >> 44)) & (state != 0)
+        prefix += tl.where(ready, word & 4398046511103, 0)
+        j = tl.where(ready & (state == 2), -1, tl.where(ready, j - 1, j))
+    if vid > 0:
+        tl.atomic_xchg(flags_ptr + vid, tag | (2 << 42) | (prefix + total))
+    return prefix
 
 
 @triton.jit
-def _pack(shard_ptr, state_ptr, out_ptr, table_ptr, raw_ptr, gstart_ptr, gexc_pre_ptr, exc_start_ptr,
-          count_ptr, block_end_ptr, n, capacity, W: tl.constexpr, MANT: tl.constexpr,
-          EXPMASK: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, I: tl.constexpr, S: tl.constexpr):
-    pid = tl.program_id(0)
-    blk = pid // NG
-    j = tl.arange(0, G)
-    offs = pid.to(tl.int64) * G + j
-    valid = offs < n
-    bits_new = tl.load(shard_ptr + offs, mask=valid, other=0)
-    u_new = _unsigned(bits_new, W)
-    u_old = _unsigned(tl.load(state_ptr + offs, mask=valid, other=0), W)
-    fits = tl.load(block_end_ptr + blk) <= capacity
-    if fits:
-        raw = tl.load(raw_ptr + blk) != 0
-        z = _zigzag(u_new, u_old, W)
-        w = tl.load(table_ptr + ((u_old >> MANT) & EXPMASK), mask=valid, other=0).to(tl.int64)
-        w = tl.where(raw, W, w)
-        w = tl.where(valid, w, 0)
-        exc = _bit_length(z, W) > w  # never in raw blocks: there w = W >= bit length
-        low = z & ((tl.full(w.shape, 1, tl.int64) << w) - 1)
-        o = tl.cumsum(w, axis=0) - w
-        # Output word m of the group holds bits [32m, 32m + 32): OR of the overlapping values.
-        NWORDS: tl.constexpr = G * W // 32
-        m32 = tl.arange(0, NWORDS).to(tl.int64)[:, None] * 32
-        shift = o[None, :] - m32
-        overlap = (o[None, :] < m32 + 32) & (o[None, :] + w[None, :] > m32)
-        part = tl.where(shift >= 0, low[None, :] << tl.maximum(shift, 0), low[None, :] >> tl.maximum(-shift, 0))
-        word = tl.sum(tl.where(overlap, part & 0xFFFFFFFF, 0), axis=1)
-        gbytes = (tl.sum(w, axis=0) + 7) // 8
-        q = tl.arange(0, NWORDS)[:, None] * 4 + tl.arange(0, 4)[None, :]
-        gstart = tl.load(gstart_ptr + pid)
-        tl.store(out_ptr + gstart + q, ((word[:, None] >> (tl.arange(0, 4)[None, :] * 8)) & 0xFF).to(tl.uint8),
-                 mask=q < gbytes)
-        # Exceptions: rank in the block = exceptions of earlier groups + rank in this group.
-        rank = tl.load(gexc_pre_ptr + pid) + tl.cumsum(exc.to(tl.int64), axis=0) - 1
-        base = tl.load(exc_start_ptr + blk)
-        jb = (pid % NG).to(tl.int64) * G + j
-        for t in tl.static_range(I):
-            tl.store(out_ptr + base + rank * I + t, ((jb >> (8 * t)) & 0xFF).to(tl.uint8), mask=exc)
-        hi = z >> w
-        hbase = base + tl.load(count_ptr + blk) * I
-        for t in tl.static_range(S):
-            tl.store(out_ptr + hbase + rank * S + t, ((hi >> (8 * t)) & 0xFF).to(tl.uint8), mask=exc)
-    tl.store(state_ptr + offs, bits_new, mask=valid)
+def _hist(shard_ptr, state_ptr, hist_ptr, n, n_full, W: tl.constexpr, MANT: tl.constexpr, EXPMASK: tl.constexpr,
+          KB: tl.constexpr, NBINS: tl.constexpr, T: tl.constexpr, UT: tl.constexpr, EVEN: tl.constexpr):
+    if EVEN:
+        vid = tl.program_id(0).to(tl.int64)
+    else:
+        vid = tl.program_id(0).to(tl.int64) + n_full
+    offs = vid * T + tl.arange(0, T)
+    if EVEN:
+        new = tl.load(shard_ptr + offs).to(UT) & ((1 << W) - 1)
+        old = tl.load(state_ptr + offs).to(UT) & ((1 << W) - 1)
+        valid = None
+    else:
+        valid = offs < n
+        new = tl.load(shard_ptr + offs, mask=valid, other=0).to(UT) & ((1 << W) - 1)
+        old = tl.load(state_ptr + offs, mask=valid, other=0).to(UT) & ((1 << W) - 1)
+    d = (new - old) & ((1 << W) - 1)
+    z = ((d << 1) ^ -(d >> (W - 1))) & ((1 << W) - 1)
+    key = (((old >> MANT) & EXPMASK) * KB + _bit_length(z, W)).to(tl.int32)
+    h = tl.histogram(key, NBINS, mask=valid)
+    bins = tl.arange(0, NBINS)
+    tl.atomic_add(hist_ptr + bins, h, mask=h > 0, sem="relaxed")
 
 
 @triton.jit
-def _group_bits(target_ptr, table_ptr, bits_ptr, n, W: tl.constexpr, MANT: tl.constexpr,
-                EXPMASK: tl.constexpr, G: tl.constexpr):
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * G + tl.arange(0, G)
-    valid = offs < n
-    u_old = _unsigned(tl.load(target_ptr + offs, mask=valid, other=0), W)
-    w = tl.load(table_ptr + ((u_old >> MANT) & EXPMASK), mask=valid, other=0).to(tl.int64)
-    tl.store(bits_ptr + pid, tl.sum(w, axis=0))
+def _table(hist_ptr, out_ptr, off_table, NCLS: tl.constexpr, KB: tl.constexpr, W: tl.constexpr,
+           E: tl.constexpr):
+    """Width table from the histogram (choose_table's rule), then clear the histogram."""
+    at = tl.arange(0, NCLS)[:, None] * KB + tl.arange(0, KB)[None, :]
+    h = tl.load(hist_ptr + at).to(tl.int64)
+    tl.store(hist_ptr + at, tl.zeros([NCLS, KB], tl.int32))
+    total = tl.sum(h, axis=1)[:, None]
+    above = total - tl.cumsum(h, axis=1)  # values needing more than w bits
+    w = tl.arange(0, KB)[None, :].to(tl.int64)
+    key = (total * w + E * above) * 64 + w
+    key = tl.where(w <= W, key, 9223372036854775807)
+    best = tl.min(key, axis=1) & 63
+    tl.store(out_ptr + off_table + tl.arange(0, NCLS), best.to(tl.uint8))
 
 
 @triton.jit
-def _unpack(payload_ptr, target_ptr, table_ptr, raw_ptr, gstart_ptr, exc_start_ptr, count_ptr, n,
-            plen, W: tl.constexpr, MANT: tl.constexpr, EXPMASK: tl.constexpr, G: tl.constexpr,
-            NG: tl.constexpr, I: tl.constexpr, S: tl.constexpr):
-    pid = tl.program_id(0)
-    blk = pid // NG
-    j = tl.arange(0, G)
-    offs = pid.to(tl.int64) * G + j
-    valid = offs < n
-    u_old = _unsigned(tl.load(target_ptr + offs, mask=valid, other=0), W)
-    raw = tl.load(raw_ptr + blk) != 0
-    w = tl.load(table_ptr + ((u_old >> MANT) & EXPMASK), mask=valid, other=0).to(tl.int64)
-    w = tl.where(raw, W, w)
-    w = tl.where(valid, w, 0)
-    bitpos = tl.load(gstart_ptr + pid) * 8 + tl.cumsum(w, axis=0) - w
+def _encode_tiles(shard_ptr, state_ptr, out_ptr, counter_ptr, flags_ptr, needed_ptr,
+                  n, n_full, n_tiles, n_blocks, capacity, off_table, off_counts, off_data,
+                  W: tl.constexpr, MANT: tl.constexpr, EXPMASK: tl.constexpr, B: tl.constexpr, G: tl.constexpr,
+                  NG: tl.constexpr, TB: tl.constexpr, C: tl.constexpr, RAW_MARK: tl.constexpr, I: tl.constexpr,
+                  S: tl.constexpr, UT: tl.constexpr, EVEN: tl.constexpr):
+    T: tl.constexpr = TB * B
+    NW: tl.constexpr = T * S // 4
+    epoch, row, vid = _tile_id(counter_ptr, 1, n_full, n_tiles, EVEN)
+    bi = tl.arange(0, TB)
+    blk = vid * TB + bi
+    vin = bi[:, None, None] * B + tl.arange(0, NG)[None, :, None] * G + tl.arange(0, G)[None, None, :]
+    offs = vid * T + vin
+    if EVEN:
+        bits_new = tl.load(shard_ptr + offs)
+        old = tl.load(state_ptr + offs).to(UT) & ((1 << W) - 1)
+    else:
+        valid = offs < n
+        bits_new = tl.load(shard_ptr + offs, mask=valid, other=0)
+        old = tl.load(state_ptr + offs, mask=valid, other=0).to(UT) & ((1 << W) - 1)
+    new = bits_new.to(UT) & ((1 << W) - 1)
+    d = (new - old) & ((1 << W) - 1)
+    z = ((d << 1) ^ -(d >> (W - 1))) & ((1 << W) - 1)
+    wt = tl.load(out_ptr + off_table + ((old >> MANT) & EXPMASK)).to(UT)
+    if EVEN:
+        vcount = tl.full([TB], B, tl.int32)
+    else:
+        wt = tl.where(valid, wt, 0)
+        vcount = tl.sum(tl.sum(valid.to(tl.int32), axis=2), axis=1)
+    exc = _bit_length(z, W) > wt
+    xcount = tl.sum(tl.sum(exc.to(tl.int32), axis=2), axis=1)
+    table_bytes = tl.sum((tl.sum(wt.to(tl.int32), axis=2) + 7) // 8, axis=1) + xcount * (I + S)
+    raw = table_bytes > vcount * S
+    if EVEN:
+        w = tl.where(raw[:, None, None], W, wt)
+    else:
+        w = tl.where(raw[:, None, None] & valid, W, wt)
+    exc = exc & (~raw)[:, None, None]
+    cnt = tl.where(raw, 0, xcount)
+    gbytes = (tl.sum(w.to(tl.int32), axis=2) + 7) // 8                   # [TB, NG]
+    bsize = tl.sum(gbytes, axis=1) + cnt * (I + S)                      # [TB]
+    total = tl.sum(bsize, axis=0).to(tl.int64)
+    tile_start = off_data + _look_back(flags_ptr, vid, total, epoch)
+    bstart = tile_start + (tl.cumsum(bsize, axis=0) - bsize)            # [TB] payload offsets
+    bend = bstart + bsize
+    exc_start = bstart + tl.sum(gbytes, axis=1)
+    # Counts of every block (raw_mark: raw), written whether or not the block fits.
+    field = tl.where(raw, RAW_MARK, cnt)
+    for t in tl.static_range(C):
+        tl.store(out_ptr + off_counts + blk * C + t, ((field >> (8 * t)) & 0xFF).to(tl.uint8), mask=blk < n_blocks)
+    # Blocks fit as a prefix of the payload; only they are written.
+    fits = bend <= capacity
+    fit_end = tl.max(tl.where(fits, bend, 0), axis=0)
+    # Bit streams: value i sits at tile bit p_i (non-decreasing in i). Word k of the tile is the
+    # sum (= OR, the bits are disjoint) of A_i = low_i << (p_i % 32) over values with p_i // 32 == k
+    # (low half) and == k - 1 (high half): differences of one prefix sum of A at segment ends.
+    gstart = (tl.cumsum(gbytes, axis=1) - gbytes).to(tl.int32) + (bstart - tile_start).to(tl.int32)[:, None]
+    p = tl.reshape(gstart[:, :, None] * 8 + (tl.cumsum(w.to(tl.int32), axis=2) - w.to(tl.int32)), [T])
+    low = tl.reshape(z & ((tl.full(w.shape, 1, UT) << w) - 1), [T]).to(tl.int64)
+    kw = p >> 5
+    a = low << (p & 31).to(tl.int64)
+    csum = tl.cumsum(a, axis=0)
+    c1 = tl.histogram(kw, NW, mask=kw < NW)
+    c2 = tl.histogram(kw + 1, NW, mask=kw + 1 < NW)
+    e_k = tl.cumsum(c1, axis=0) - c1
+    l0 = e_k + c1 - 1
+    l1 = e_k - 1
+    l2 = e_k - c2 - 1
+    s0 = tl.where(l0 >= 0, tl.gather(csum, tl.maximum(l0, 0), 0), 0)
+    s1 = tl.where(l1 >= 0, tl.gather(csum, tl.maximum(l1, 0), 0), 0)
+    s2 = tl.where(l2 >= 0, tl.gather(csum, tl.maximum(l2, 0), 0), 0)
+    word = ((s0 - s1) & 0xFFFFFFFF) | (((s1 - s2) >> 32) & 0xFFFFFFFF)
+    q = tl.arange(0, NW)[:, None] * 4 + tl.arange(0, 4)[None, :]
+    byte = (word[:, None] >> (tl.arange(0, 4) * 8).to(tl.int64)[None, :]) & 0xFF
+    tl.store(out_ptr + tile_start + q, byte.to(tl.uint8), mask=tile_start + q < fit_end)
+    # Exception records overwrite their (zero) bytes of the word image: after a barrier.
+    tl.debug_barrier()
+    rank = tl.reshape(tl.cumsum(tl.reshape(exc.to(tl.int32), [TB, B]), axis=1) - 1, [TB, NG, G])
+    jb = vin - bi[:, None, None] * B
+    m = exc & fits[:, None, None]
+    xs = exc_start[:, None, None]
+    for t in tl.static_range(I):
+        tl.store(out_ptr + xs + rank * I + t, ((jb >> (8 * t)) & 0xFF).to(tl.uint8), mask=m)
+    hi = z >> w
+    hs = xs + cnt[:, None, None] * I
+    for t in tl.static_range(S):
+        tl.store(out_ptr + hs + rank * S + t, ((hi >> (8 * t)) & 0xFF).to(tl.uint8), mask=m)
+    if EVEN:
+        tl.store(state_ptr + offs, bits_new)
+    else:
+        tl.store(state_ptr + offs, bits_new, mask=valid)
+    if vid == n_tiles - 1:
+        tl.store(needed_ptr, tile_start + total)
+
+
+@triton.jit
+def _decode_tiles(payload_ptr, target_ptr, counter_ptr, flags_ptr, rows_ptr, offsets_ptr,
+                  n, k, n_full, n_tiles, n_blocks, plen, off_table, off_counts, off_data,
+                  W: tl.constexpr, MANT: tl.constexpr, EXPMASK: tl.constexpr, B: tl.constexpr, G: tl.constexpr,
+                  NG: tl.constexpr, TB: tl.constexpr, C: tl.constexpr, RAW_MARK: tl.constexpr, I: tl.constexpr,
+                  S: tl.constexpr, XR: tl.constexpr, UT: tl.constexpr, BATCHED: tl.constexpr,
+                  EVEN: tl.constexpr):
+    T: tl.constexpr = TB * B
+    epoch, row, vid = _tile_id(counter_ptr, k, n_full, n_tiles, EVEN)
+    if BATCHED:
+        pbase = tl.load(offsets_ptr + row)
+        target_ptr += tl.load(rows_ptr + row) * n
+    else:
+        pbase = row * 0
+    bi = tl.arange(0, TB)
+    blk = vid * TB + bi
+    vin = bi[:, None, None] * B + tl.arange(0, NG)[None, :, None] * G + tl.arange(0, G)[None, None, :]
+    offs = vid * T + vin
+    if EVEN:
+        old = tl.load(target_ptr + offs).to(UT) & ((1 << W) - 1)
+    else:
+        valid = offs < n
+        old = tl.load(target_ptr + offs, mask=valid, other=0).to(UT) & ((1 << W) - 1)
+    wt = tl.load(payload_ptr + pbase + off_table + ((old >> MANT) & EXPMASK)).to(UT)
+    field = tl.zeros([TB], tl.int32)
+    for t in tl.static_range(C):
+        field |= tl.load(payload_ptr + pbase + off_counts + blk * C + t, mask=blk < n_blocks,
+                         other=0).to(tl.int32) << (8 * t)
+    raw = field == RAW_MARK
+    cnt = tl.where(raw, 0, field)
+    if EVEN:
+        w = tl.where(raw[:, None, None], W, wt)
+    else:
+        w = tl.where(valid, tl.where(raw[:, None, None], W, wt), 0)
+    gbytes = (tl.sum(w.to(tl.int32), axis=2) + 7) // 8
+    bsize = tl.sum(gbytes, axis=1) + cnt * (I + S)
+    total = tl.sum(bsize, axis=0).to(tl.int64)
+    tile_start = pbase + off_data + _look_back(flags_ptr + row * n_tiles, vid, total, epoch)
+    bstart = tile_start + (tl.cumsum(bsize, axis=0) - bsize)
+    exc_start = bstart + tl.sum(gbytes, axis=1)
+    gstart = bstart[:, None] + (tl.cumsum(gbytes, axis=1) - gbytes)
+    bitpos = gstart[:, :, None] * 8 + (tl.cumsum(w.to(tl.int32), axis=2) - w.to(tl.int32))
     at = bitpos >> 3
-    z = tl.zeros([G], tl.int64)
+    need = w > 0
+    zz = tl.zeros([TB, NG, G], UT)
     for t in tl.static_range(W // 8 + 1):
-        byte = tl.load(payload_ptr + at + t, mask=valid & (at + t < plen), other=0)
-        z |= byte.to(tl.int64) << (8 * t)
-    z = (z >> (bitpos & 7)) & ((tl.full(w.shape, 1, tl.int64) << w) - 1)
-    # Exceptions of the block that fall in this group, G records at a time.
-    count = tl.load(count_ptr + blk)
-    base = tl.load(exc_start_ptr + blk)
-    jb = (pid % NG).to(tl.int64) * G + j
-    for r0 in range(0, count, G):
-        r = r0 + j
-        live = r < count
-        idx = tl.zeros([G], tl.int64)
+        byte = tl.load(payload_ptr + at + t, mask=need & (at + t < plen), other=0)
+        zz |= byte.to(UT) << (8 * t)
+    z = (zz >> (bitpos & 7).to(UT)) & ((tl.full(w.shape, 1, UT) << w) - 1)
+    # Exceptions, XR records a trip: record r belongs to the last block whose first record is <= r.
+    xpre = tl.cumsum(cnt, axis=0) - cnt
+    n_exc = tl.sum(cnt, axis=0)
+    hi_v = tl.zeros([T], UT)
+    for r0 in range(0, n_exc, XR):
+        r = r0 + tl.arange(0, XR)
+        live = r < n_exc
+        starts = tl.histogram(xpre - r0, XR, mask=(xpre >= r0) & (xpre < r0 + XR))
+        br = tl.maximum(tl.sum((xpre < r0).to(tl.int32), axis=0) + tl.cumsum(starts, axis=0) - 1, 0)
+        rank = r - tl.gather(xpre, br, 0)
+        base = tl.gather(exc_start, br, 0)
+        count = tl.gather(cnt, br, 0)
+        idx = tl.zeros([XR], tl.int32)
         for t in tl.static_range(I):
-            idx |= tl.load(payload_ptr + base + r * I + t, mask=live, other=0).to(tl.int64) << (8 * t)
-        hi = tl.zeros([G], tl.int64)
+            idx |= tl.load(payload_ptr + base + rank * I + t, mask=live, other=0).to(tl.int32) << (8 * t)
+        hi = tl.zeros([XR], UT)
         for t in tl.static_range(S):
-            hi |= tl.load(payload_ptr + base + count * I + r * S + t, mask=live, other=0).to(tl.int64) << (8 * t)
-        match = (jb[:, None] == idx[None, :]) & live[None, :]
-        z |= tl.sum(tl.where(match, hi[None, :], 0), axis=1) << w
-    u = (u_old + ((z >> 1) ^ -(z & 1))) & ((1 << W) - 1)
-    u = tl.where(u >= (1 << (W - 1)), u - (1 << W), u)
-    tl.store(target_ptr + offs, u.to(target_ptr.dtype.element_ty), mask=valid)
+            hi |= tl.load(payload_ptr + base + count * I + rank * S + t, mask=live, other=0).to(UT) << (8 * t)
+        hit = tl.histogram(br * B + idx, T, mask=live)  # 0/1 per value of the tile
+        at_r = tl.maximum(tl.cumsum(hit, axis=0) - 1, 0)
+        hi_v |= tl.where(hit > 0, tl.gather(hi, at_r, 0), 0)
+    z |= tl.reshape(hi_v, [TB, NG, G]) << w
+    u = (old + ((z >> 1) ^ -(z & 1))) & ((1 << W) - 1)
+    if EVEN:
+        tl.store(target_ptr + offs, u.to(target_ptr.dtype.element_ty))
+    else:
+        tl.store(target_ptr + offs, u.to(target_ptr.dtype.element_ty), mask=valid)
 
 
-def _consts(layout: DeltaLayout) -> dict:
-    fmt = layout.fmt
-    return dict(W=layout.width, MANT=fmt.mant_bits, EXPMASK=(1 << fmt.exp_bits) - 1, G=layout.group_size)
+# -- launchers -------------------------------------------------------------------------------------
+class _Shape:
+    """Tile geometry and constexprs of one layout."""
+
+    def __init__(self, layout: DeltaLayout):
+        fmt, B = layout.fmt, layout.block_size
+        self.TB = max(2, _TILE_VALUES // B)
+        self.T = self.TB * B
+        self.n_tiles = -(-layout.numel // self.T)
+        self.n_full = layout.numel // self.T
+        self.tail = self.n_tiles - self.n_full
+        self.KB = 32 if layout.width <= 16 else 64
+        self.consts = dict(W=layout.width, MANT=fmt.mant_bits, EXPMASK=(1 << fmt.exp_bits) - 1, B=B,
+                           G=layout.group_size, NG=layout.groups_per_block, TB=self.TB, C=layout.count_bytes,
+                           RAW_MARK=layout.raw_mark, I=layout.index_bytes, S=layout.high_bytes,
+                           UT=tl.int32 if layout.width <= 16 else tl.int64)
+
+
+@functools.lru_cache(maxsize=64)
+def _scratch(layout: DeltaLayout, device: torch.device, k: int, purpose: str) -> dict:
+    """Device scratch of one (layout, device, k, purpose), allocated once: the look-back ticket
+    counter and flag words, and for encoding the class histogram (kept all-zero between calls by
+    ``_table``) and the bytes needed."""
+    sh = _Shape(layout)
+    s = dict(counter=torch.zeros(1, dtype=torch.int64, device=device),
+             flags=torch.zeros(max(1, k * sh.n_tiles), dtype=torch.int64, device=device))
+    if purpose == "encode":
+        s["hist"] = torch.zeros(layout.n_classes * sh.KB, dtype=torch.int32, device=device)
+        s["needed"] = torch.zeros(1, dtype=torch.int64, device=device)
+    return s
 
 
 def encode_triton(*, layout: DeltaLayout, shard_bits: torch.Tensor, state: torch.Tensor,
                   out: torch.Tensor) -> torch.Tensor:
-    """Triton twin of :func:`ciera.codecs.delta.encode_reference`."""
-    n, W, nb, NG = layout.numel, layout.width, layout.n_blocks, layout.groups_per_block
+    """Triton twin of :func:`ciera.codecs.delta.encode_reference`: three launches (four with a
+    partial last tile), no torch glue, no host sync; returns the bytes needed as a 0-d int64
+    device tensor."""
+    n = layout.numel
     dev = out.device
     if n == 0:
         return torch.tensor(layout.off_data, dtype=torch.int64, device=dev)
-    c = _consts(layout)
-    n_groups = nb * NG
-    key = torch.full((n_groups * layout.group_size,), layout.n_classes * (W + 1), dtype=torch.int64, device=dev)
-    _class_keys[(n_groups,)](shard_bits, state, key, n, **c)
-    hist = torch.zeros(layout.n_classes * (W + 1) + 1, dtype=torch.int64, device=dev)
-    hist.index_add_(0, key, torch.ones_like(key))
-    table = choose_table(layout, hist[:-1])
-    out[layout.off_table : layout.off_table + layout.n_classes] = table.to(torch.uint8)
+    sh = _Shape(layout)
+    s = _scratch(layout, dev, 1, "encode")
+    c = sh.consts
+    hc = dict(W=c["W"], MANT=c["MANT"], EXPMASK=c["EXPMASK"], KB=sh.KB, NBINS=layout.n_classes * sh.KB, T=sh.T,
+              UT=c["UT"])
+    if sh.n_full:
+        _hist[(sh.n_full,)](shard_bits, state, s["hist"], n, sh.n_full, EVEN=True, **hc, num_warps=_NUM_WARPS)
+    if sh.tail:
+        _hist[(1,)](shard_bits, state, s["hist"], n, sh.n_full, EVEN=False, **hc, num_warps=_NUM_WARPS)
+    _table[(1,)](s["hist"], out, layout.off_table, NCLS=layout.n_classes, KB=sh.KB, W=layout.width,
+                 E=layout.exception_bits, num_warps=_NUM_WARPS)
+    args = (shard_bits, state, out, s["counter"], s["flags"], s["needed"], n, sh.n_full, sh.n_tiles,
+            layout.n_blocks, out.numel(), layout.off_table, layout.off_counts, layout.off_data)
+    if sh.n_full:
+        _encode_tiles[(sh.n_full,)](*args, EVEN=True, **c, num_warps=_NUM_WARPS)
+    if sh.tail:
+        _encode_tiles[(1,)](*args, EVEN=False, **c, num_warps=_NUM_WARPS)
+    return s["needed"][0].clone()
 
-    table32 = table.to(torch.int32)
-    gbits = torch.empty(n_groups, dtype=torch.int64, device=dev)
-    gexc = torch.empty(n_groups, dtype=torch.int64, device=dev)
-    _group_stats[(n_groups,)](shard_bits, state, table32, gbits, gexc, n, **c)
-    gexc = gexc.view(nb, NG)
-    plan = plan_blocks(layout, gbits.view(nb, NG), gexc.sum(1), None)
-    out[layout.off_counts : layout.off_counts + nb * layout.count_bytes] = count_field(layout, plan)
-    gexc_pre = (torch.cumsum(gexc, 1) - gexc).contiguous()
-    _pack[(n_groups,)](
-        shard_bits, state, out, table32, plan.raw.to(torch.int32), plan.group_start, gexc_pre,
-        plan.exc_start, plan.count, plan.block_end, n, out.numel(),
-        NG=NG, I=layout.index_bytes, S=layout.high_bytes, **c)
-    return plan.needed
+
+def _decode(layout: DeltaLayout, payload: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor,
+            offsets: torch.Tensor, k: int, batched: bool) -> None:
+    sh = _Shape(layout)
+    s = _scratch(layout, payload.device, k, "decode_many" if batched else "decode")
+    args = (payload, targets, s["counter"], s["flags"], rows, offsets, layout.numel, k, sh.n_full, sh.n_tiles,
+            layout.n_blocks, payload.numel(), layout.off_table, layout.off_counts, layout.off_data)
+    kw = dict(XR=max(16, sh.T // 8), BATCHED=batched, **sh.consts, num_warps=_NUM_WARPS)
+    if sh.n_full:
+        _decode_tiles[(k * sh.n_full,)](*args, EVEN=True, **kw)
+    if sh.tail:
+        _decode_tiles[(k,)](*args, EVEN=False, **kw)
 
 
 def decode_triton(*, layout: DeltaLayout, payload: torch.Tensor, target_bits: torch.Tensor) -> None:
-    """Triton twin of :func:`ciera.codecs.delta.decode_reference`."""
-    n, nb, NG = layout.numel, layout.n_blocks, layout.groups_per_block
-    if n == 0:
+    """Triton twin of :func:`ciera.codecs.delta.decode_reference`: one launch (two with a partial
+    last tile), no torch glue."""
+    if layout.numel == 0:
         return
-    dev = payload.device
-    c = _consts(layout)
-    n_groups = nb * NG
-    table32 = payload[layout.off_table : layout.off_table + layout.n_classes].to(torch.int32)
-    raw, count = read_counts(layout, payload)
-    gbits = torch.empty(n_groups, dtype=torch.int64, device=dev)
-    _group_bits[(n_groups,)](target_bits, table32, gbits, n, **c)
-    plan = plan_blocks(layout, gbits.view(nb, NG), count, raw)
-    _unpack[(n_groups,)](
-        payload, target_bits, table32, raw.to(torch.int32), plan.group_start, plan.exc_start,
-        plan.count, n, payload.numel(), NG=NG, I=layout.index_bytes, S=layout.high_bytes, **c)
+    _decode(layout, payload, target_bits, payload, payload, 1, False)
+
+
+def decode_many_triton(*, layout: DeltaLayout, payloads: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor,
+                       targets_bits: torch.Tensor) -> None:
+    """Batched twin of :func:`decode_triton` (CONTRACT.md): payload ``i`` starts at byte ``offsets[i]``
+    of ``payloads`` and decodes into row ``rows[i]`` of ``targets_bits`` (``[world, n]``).
+
+    The same kernel over ``k x tiles`` programs (a second launch for the partial last tiles),
+    whatever ``k``; no host reads, no torch glue; scratch cached per (layout, device, k)."""
+    n = layout.numel
+    k = rows.numel()
+    if targets_bits.dim() != 2 or targets_bits.shape[1] != n or not targets_bits.is_contiguous():
+        raise ValueError(f"delta: targets_bits must be a contiguous [world, {n}] tensor; got {tuple(targets_bits.shape)}")
+    if offsets.numel() != k or rows.dtype != torch.int64 or offsets.dtype != torch.int64:
+        raise ValueError("delta: rows and offsets must be int64 tensors of the same length")
+    if n == 0 or k == 0:
+        return
+    _decode(layout, payloads, targets_bits, rows, offsets, k, True)

@@ -37,6 +37,8 @@ also fits int32; the rebuilt fp32 pattern sets bit 31 through a wrapping int32 s
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -128,23 +130,44 @@ def _encode_exps(state_ptr, out_ptr, first_ptr, n, n_blocks, off_bitmap, off_exp
 
 
 @triton.jit
-def _count_changed(payload_ptr, counts_ptr, n_blocks, off_bitmap, TB: tl.constexpr):
-    tile = tl.program_id(0).to(tl.int64)
-    blocks = tile * TB + tl.arange(0, TB)
-    tl.store(counts_ptr + tile, tl.sum(_changed_flags(payload_ptr, off_bitmap, blocks, n_blocks), axis=0))
+def _row_bases(rows_ptr, offsets_ptr, n, BATCHED: tl.constexpr):
+    """(payload byte offset, target value offset) of this program's row: ``program_id(1)`` indexes
+    ``rows`` / ``offsets`` in a batched decode; (0, 0) otherwise."""
+    if BATCHED:
+        r = tl.program_id(1)
+        return tl.load(offsets_ptr + r), tl.load(rows_ptr + r) * n
+    else:
+        return tl.zeros([], tl.int64), tl.zeros([], tl.int64)
 
 
 @triton.jit
-def _decode_values(payload_ptr, target_ptr, first_ptr, n, n_blocks, capacity, off_signmant, off_planes,
-                   plane_bytes, off_bitmap, off_exps,
+def _count_changed(payload_ptr, counts_ptr, rows_ptr, offsets_ptr, n, n_blocks, n_tiles, off_bitmap,
+                   TB: tl.constexpr, BATCHED: tl.constexpr):
+    tile = tl.program_id(0).to(tl.int64)
+    pbase, _ = _row_bases(rows_ptr, offsets_ptr, n, BATCHED)
+    blocks = tile * TB + tl.arange(0, TB)
+    flags = _changed_flags(payload_ptr + pbase, off_bitmap, blocks, n_blocks)
+    tl.store(counts_ptr + tl.program_id(1).to(tl.int64) * n_tiles + tile, tl.sum(flags, axis=0))
+
+
+@triton.jit
+def _decode_values(payload_ptr, target_ptr, first_ptr, rows_ptr, offsets_ptr, n, n_blocks, n_tiles, capacity,
+                   off_signmant, off_planes, plane_bytes, off_bitmap, off_exps,
                    B: tl.constexpr, TB: tl.constexpr, BC: tl.constexpr, TOTAL_BITS: tl.constexpr,
                    EXP_BITS: tl.constexpr, MANT_BITS: tl.constexpr, SM_BYTES: tl.constexpr,
-                   N_PLANES: tl.constexpr):
+                   N_PLANES: tl.constexpr, BATCHED: tl.constexpr):
     tile = tl.program_id(0).to(tl.int64)
+    pbase, tbase = _row_bases(rows_ptr, offsets_ptr, n, BATCHED)
+    payload_ptr += pbase
+    target_ptr += tbase
+    if BATCHED:
+        # Capacity of this row's payload: header word 3 (the payload's own length).
+        capacity = tl.load((payload_ptr + 24).to(tl.pointer_type(tl.int64), bitcast=True))
     blocks = tile * TB + tl.arange(0, TB)
     cols = tl.arange(0, BC)
     flag = _changed_flags(payload_ptr, off_bitmap, blocks, n_blocks)
-    slot = tl.load(first_ptr + tile) + (tl.cumsum(flag, axis=0) - flag).to(tl.int64)
+    slot = tl.load(first_ptr + tl.program_id(1).to(tl.int64) * n_tiles + tile) + \
+        (tl.cumsum(flag, axis=0) - flag).to(tl.int64)
     sent = (flag != 0)[:, None]
     for j in range(0, B, BC):
         offs = blocks[:, None] * B + j + cols[None, :]
@@ -166,6 +189,8 @@ def _decode_values(payload_ptr, target_ptr, first_ptr, n, n_blocks, capacity, of
         # sign << (TOTAL_BITS - 1) wraps into bit 31 for fp32; the int16 store keeps the low 16 bits.
         val = (((sm >> MANT_BITS) & 1) << (TOTAL_BITS - 1)) | (exp << MANT_BITS) | (sm & ((1 << MANT_BITS) - 1))
         tl.store(target_ptr + offs, val.to(target_ptr.dtype.element_ty), mask=inside)
+
+
 
 
 def _fmt_args(layout: ExponentReuseLayout) -> dict:
@@ -215,12 +240,44 @@ def _decode(*, layout: ExponentReuseLayout, payload: torch.Tensor, target_bits: 
     tb, bc = _tile_shape(B, tile_values)
     n_tiles = -(-nb // tb)
     counts = torch.empty(n_tiles, dtype=torch.int32, device=payload.device)
-    _count_changed[(n_tiles,)](payload, counts, nb, layout.off_bitmap, TB=tb)
+    _count_changed[(n_tiles,)](payload, counts, counts, counts, n, nb, n_tiles, layout.off_bitmap, TB=tb, BATCHED=False)
     first = _exclusive_cumsum(counts)
     _decode_values[(n_tiles,)](
-        payload, target_bits, first, n, nb, payload.numel(), layout.off_signmant, layout.off_planes,
-        layout.plane_bytes, layout.off_bitmap, layout.off_exps, B=B, TB=tb, BC=bc, **_fmt_args(layout),
-        num_warps=_NUM_WARPS)
+        payload, target_bits, first, first, first, n, nb, n_tiles, payload.numel(), layout.off_signmant,
+        layout.off_planes, layout.plane_bytes, layout.off_bitmap, layout.off_exps, B=B, TB=tb, BC=bc,
+        **_fmt_args(layout), BATCHED=False, num_warps=_NUM_WARPS)
+
+
+@functools.lru_cache(maxsize=64)
+def _many_scratch(n_tiles: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-tile counts, first slots) of a batched decode, ``[k, n_tiles]`` each, cached per shape."""
+    return (torch.empty(k, n_tiles, dtype=torch.int32, device=device),
+            torch.empty(k, n_tiles, dtype=torch.int64, device=device))
+
+
+def _decode_many(*, layout: ExponentReuseLayout, payloads: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor,
+                 targets_bits: torch.Tensor, tile_values: int = _TILE_VALUES) -> None:
+    """:func:`decode_many_triton` with a chosen chunk size."""
+    n, B, nb = layout.numel, layout.block_size, layout.n_blocks
+    k = rows.numel()
+    if targets_bits.dim() != 2 or targets_bits.shape[1] != n or not targets_bits.is_contiguous():
+        raise ValueError(f"exponent_reuse: targets_bits must be a contiguous [world, {n}] tensor; "
+                         f"got {tuple(targets_bits.shape)}")
+    if offsets.numel() != k or rows.dtype != torch.int64 or offsets.dtype != torch.int64:
+        raise ValueError("exponent_reuse: rows and offsets must be int64 tensors of the same length")
+    if n == 0 or k == 0:
+        return
+    tb, bc = _tile_shape(B, tile_values)
+    n_tiles = -(-nb // tb)
+    counts, first = _many_scratch(n_tiles, k, payloads.device)
+    _count_changed[(n_tiles, k)](payloads, counts, rows, offsets, n, nb, n_tiles, layout.off_bitmap, TB=tb,
+                                 BATCHED=True)
+    torch.cumsum(counts, 1, dtype=torch.int64, out=first)
+    first -= counts
+    _decode_values[(n_tiles, k)](
+        payloads, targets_bits, first, rows, offsets, n, nb, n_tiles, 0, layout.off_signmant,
+        layout.off_planes, layout.plane_bytes, layout.off_bitmap, layout.off_exps, B=B, TB=tb, BC=bc,
+        **_fmt_args(layout), BATCHED=True, num_warps=_NUM_WARPS)
 
 
 def encode_triton(*, layout: ExponentReuseLayout, shard_bits: torch.Tensor, state: torch.Tensor,
@@ -233,3 +290,12 @@ def encode_triton(*, layout: ExponentReuseLayout, shard_bits: torch.Tensor, stat
 def decode_triton(*, layout: ExponentReuseLayout, payload: torch.Tensor, target_bits: torch.Tensor) -> None:
     """Triton twin of ``decode_reference``: ``target_bits`` (previous values) becomes the encoded shard."""
     _decode(layout=layout, payload=payload, target_bits=target_bits)
+
+
+def decode_many_triton(*, layout: ExponentReuseLayout, payloads: torch.Tensor, rows: torch.Tensor,
+                       offsets: torch.Tensor, targets_bits: torch.Tensor) -> None:
+    """Batched twin of :func:`decode_triton` (CONTRACT.md): payload ``i`` starts at byte
+    ``offsets[i]`` of ``payloads`` and decodes into row ``rows[i]`` of ``targets_bits``
+    (``[world, n]``). Two launches and one cumsum whatever ``k``; no host reads; scratch cached
+    per (tiles, k, device). Each payload's capacity comes from its own header."""
+    _decode_many(layout=layout, payloads=payloads, rows=rows, offsets=offsets, targets_bits=targets_bits)

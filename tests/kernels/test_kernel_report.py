@@ -1,0 +1,42 @@
+"""Every Triton kernel compiles for real GPUs (sm_80 and sm_90), for every dtype, as its launcher
+would compile it, and the static report runs. The interpreter cannot catch a kernel that does not
+compile for a GPU; this test does, without one (tools/kernel_report.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_kernel_compiles_for_sm80_and_sm90_and_the_report_runs(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "kernel_report.py"), "--numel", "100000",
+                           "--world", "3", "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    rows = [r for r in report["rows"] if not r["kernel"].startswith("torch.")]
+    seen = {(r["codec"], r["dtype"], r["arch"], r["path"]) for r in rows}
+    for codec in ("delta", "exponent_reuse"):
+        for dtype in ("bfloat16", "float16", "float32"):
+            for arch in ("sm_80", "sm_90"):
+                for path in ("encode", "decode"):
+                    assert (codec, dtype, arch, path) in seen, (codec, dtype, arch, path)
+    for r in rows:
+        # A real cubin: registers allocated, instructions counted, and no spill to local memory.
+        assert r["regs"] > 0 and r["sass_static"] > 0, r
+        assert r["spill_bytes"] == 0, f"{r['kernel']} ({r['dtype']}, {r['arch']}) spills {r['spill_bytes']} B"
+    for key, s in report["summary"].items():
+        assert s["issue_gvals"] > 0 and s["bw_gvals"] > 0, key
+    assert "Static estimates" in proc.stdout
