@@ -116,6 +116,7 @@ ALWAYS_INLINE void er_encode_range(const ciera_er_layout *l, int W, int M, int E
                                    const void *shard, uint8_t *state, uint8_t *out, int64_t lo, int64_t hi) {
     const int64_t B = l->block_size;
     const int64_t sub = B < 64 ? B : 64;
+    const int lb = __builtin_ctzll((unsigned long long)B); /* B is a power of two */
     const uint32_t emask = (1u << E) - 1, mmask = (1u << M) - 1;
     uint8_t *sm_out = out + l->off_signmant;
     uint8_t *bitmap = out + l->off_bitmap;
@@ -151,7 +152,7 @@ ALWAYS_INLINE void er_encode_range(const ciera_er_layout *l, int W, int M, int E
                 any = o != 0;
             }
             if (any) {
-                int64_t b = (t0 + s * sub) / B;
+                int64_t b = (t0 + s * sub) >> lb;
                 bitmap[b >> 3] |= (uint8_t)(1u << (b & 7));
             }
         }
@@ -336,30 +337,68 @@ ALWAYS_INLINE uint32_t unzigzag_add_u(uint32_t u_old, uint32_t z, int W) {
     return (u_old + ((z >> 1) ^ (0u - (z & 1)))) & mask;
 }
 
-ALWAYS_INLINE int bitlen_u(uint32_t z) { return z ? 32 - __builtin_clz(z) : 0; }
+/* Bits of z (0 for 0), without a branch: z is 0 for about half the values, unpredictably. */
+ALWAYS_INLINE int bitlen_u(uint32_t z) { return 32 - __builtin_clz(z | 1) - (z == 0); }
 
 ALWAYS_INLINE void delta_hist_range(int W, int M, int E, const void *shard, const void *state, int64_t lo, int64_t hi,
                                     uint32_t *hist) {
     const uint32_t emask = (1u << E) - 1;
-    /* Two interleaved histograms: runs of equal keys do not serialise on one counter. */
-    uint32_t *h0 = hist, *h1 = hist + ((int64_t)1 << E) * (W + 1);
+    const int64_t nh = ((int64_t)1 << E) * (W + 1);
+    /* Four interleaved histograms: a run of equal keys (most values of a class do not move) would
+       otherwise serialise on one counter's load-add-store. */
     int64_t i = lo;
-    for (; i + 2 <= hi; i += 2) {
-        uint32_t a_old = load_u(state, i, W), b_old = load_u(state, i + 1, W);
-        uint32_t za = zigzag_u(load_u(shard, i, W), a_old, W), zb = zigzag_u(load_u(shard, i + 1, W), b_old, W);
-        h0[((a_old >> M) & emask) * (W + 1) + bitlen_u(za)]++;
-        h1[((b_old >> M) & emask) * (W + 1) + bitlen_u(zb)]++;
+    for (; i + 4 <= hi; i += 4) {
+        for (int r = 0; r < 4; r++) {
+            uint32_t u_old = load_u(state, i + r, W);
+            uint32_t z = zigzag_u(load_u(shard, i + r, W), u_old, W);
+            hist[r * nh + ((u_old >> M) & emask) * (W + 1) + bitlen_u(z)]++;
+        }
     }
     for (; i < hi; i++) {
-        uint32_t a_old = load_u(state, i, W);
-        h0[((a_old >> M) & emask) * (W + 1) + bitlen_u(zigzag_u(load_u(shard, i, W), a_old, W))]++;
+        uint32_t u_old = load_u(state, i, W);
+        hist[((u_old >> M) & emask) * (W + 1) + bitlen_u(zigzag_u(load_u(shard, i, W), u_old, W))]++;
     }
 }
 
-/* Packs one block into `dst` (which has at least raw size + 16 bytes); writes its count field and
- * the new state. Returns the block's size in bytes. */
+/* Bit-packs values [j0, j1) of zz at widths ww (LSB first) from dst; returns one past the last
+ * byte. Writes up to 8 bytes past it (zeros): dst needs that slack. The 64-bit accumulator is
+ * flushed every F values (F * W + 7 <= 64), so the loop carries two short dependency chains. */
+ALWAYS_INLINE uint8_t *pack_group(int W, const uint32_t *zz, const uint8_t *ww, int j0, int j1, uint8_t *dst) {
+    enum { F16 = 3 };
+    const int F = W == 16 ? F16 : 1;
+    uint64_t acc = 0;
+    unsigned nbits = 0;
+    int j = j0;
+    for (; j + F <= j1; j += F) {
+        for (int f = 0; f < F; f++) {
+            unsigned w = ww[j + f];
+            acc |= ((uint64_t)zz[j + f] & (((uint64_t)1 << w) - 1)) << nbits;
+            nbits += w;
+        }
+        memcpy(dst, &acc, 8);
+        dst += nbits >> 3;
+        acc >>= nbits & ~7u;
+        nbits &= 7u;
+    }
+    for (; j < j1; j++) {
+        unsigned w = ww[j];
+        acc |= ((uint64_t)zz[j] & (((uint64_t)1 << w) - 1)) << nbits;
+        nbits += w;
+        memcpy(dst, &acc, 8);
+        dst += nbits >> 3;
+        acc >>= nbits & ~7u;
+        nbits &= 7u;
+    }
+    if (nbits) memcpy(dst, &acc, 8), dst++;
+    return dst;
+}
+
+/* Encodes block b: writes its count field and the new state, and packs it at `dst` when its size
+ * is at most `room` bytes (the bytes dst may hold; packing past them never happens). Returns the
+ * block's size in bytes. */
 ALWAYS_INLINE int64_t delta_encode_block(const ciera_delta_layout *l, int W, int M, int E, const uint8_t *table,
-                                         const void *shard, void *state, uint8_t *counts, int64_t b, uint8_t *dst) {
+                                         const void *shard, void *state, uint8_t *counts, int64_t b, uint8_t *dst,
+                                         int64_t room) {
     const int64_t B = l->block_size, G = l->group_size, n = l->numel;
     const int I = (int)l->index_bytes, S = (int)l->high_bytes, C = (int)l->count_bytes;
     const uint32_t emask = (1u << E) - 1;
@@ -370,54 +409,47 @@ ALWAYS_INLINE int64_t delta_encode_block(const ciera_delta_layout *l, int W, int
     uint16_t exc[DELTA_MAX_BLOCK];
     int n_exc = 0;
     int64_t bytes = 0;
-    uint32_t gbits = 0;
-    for (int j = 0; j < valid; j++) {
-        uint32_t u_old = load_u(state, v0 + j, W), u_new = load_u(shard, v0 + j, W);
-        uint32_t z = zigzag_u(u_new, u_old, W);
-        uint8_t w = table[(u_old >> M) & emask];
-        store_u(state, v0 + j, u_new, W);
-        zz[j] = z;
-        ww[j] = w;
-        exc[n_exc] = (uint16_t)j;
-        n_exc += bitlen_u(z) > w;
-        gbits += w;
-        if ((j + 1) % G == 0) {
-            bytes += (gbits + 7) / 8;
-            gbits = 0;
-        }
-    }
-    bytes += (gbits + 7) / 8;
-    int64_t table_size = bytes + (int64_t)n_exc * (I + S), raw_size = (int64_t)valid * S;
-    if (table_size > raw_size) {
-        store_le(counts + b * C, (uint64_t)l->count_bytes == 1 ? 0xFF : 0xFFFF, C);
-        for (int j = 0; j < valid; j++) store_le(dst + (int64_t)j * S, zz[j], S);
-        return raw_size;
-    }
-    store_le(counts + b * C, (uint64_t)n_exc, C);
-    uint8_t *p = dst;
     for (int g0 = 0; g0 < valid; g0 += (int)G) {
         int g1 = (int)min64(g0 + G, valid);
-        uint64_t acc = 0;
-        unsigned nbits = 0;
-        uint8_t *q = p;
+        uint32_t gbits = 0;
         for (int j = g0; j < g1; j++) {
-            unsigned w = ww[j];
-            acc |= ((uint64_t)zz[j] & (((uint64_t)1 << w) - 1)) << nbits;
-            nbits += w;
-            memcpy(q, &acc, 8); /* dst has slack: bytes past the group are rewritten later */
-            q += nbits >> 3;
-            acc >>= nbits & ~7u;
-            nbits &= 7u;
+            uint32_t u_old = load_u(state, v0 + j, W), u_new = load_u(shard, v0 + j, W);
+            uint32_t z = zigzag_u(u_new, u_old, W);
+            uint8_t w = table[(u_old >> M) & emask];
+            store_u(state, v0 + j, u_new, W);
+            zz[j] = z;
+            ww[j] = w;
+            exc[n_exc] = (uint16_t)j;
+            n_exc += bitlen_u(z) > w;
+            gbits += w;
         }
-        p = q + (nbits ? 1 : 0);
+        bytes += (gbits + 7) / 8;
     }
-    uint8_t *hi_p = p + (int64_t)n_exc * I;
-    for (int r = 0; r < n_exc; r++) {
-        int j = exc[r];
-        store_le(p + (int64_t)r * I, (uint64_t)j, I);
-        store_le(hi_p + (int64_t)r * S, zz[j] >> ww[j], S);
+    int64_t table_size = bytes + (int64_t)n_exc * (I + S), raw_size = (int64_t)valid * S;
+    int raw = table_size > raw_size;
+    int64_t size = raw ? raw_size : table_size;
+    store_le(counts + b * C, raw ? (C == 1 ? 0xFF : 0xFFFF) : (uint64_t)n_exc, C);
+    if (size > room) return size;
+    /* The packer's slack (8 bytes past the block) must stay inside dst, and is put back as it was:
+       only the block's own bytes change, as with the reference. */
+    uint8_t tmp[DELTA_MAX_BLOCK * 4 + 16], saved[8] = {0};
+    uint8_t *base = size + 8 <= room ? dst : tmp;
+    if (base == dst) memcpy(saved, dst + size, 8);
+    if (raw) {
+        for (int j = 0; j < valid; j++) store_le(base + (int64_t)j * S, zz[j], S);
+    } else {
+        uint8_t *p = base;
+        for (int g0 = 0; g0 < valid; g0 += (int)G) p = pack_group(W, zz, ww, g0, (int)min64(g0 + G, valid), p);
+        uint8_t *hi_p = p + (int64_t)n_exc * I;
+        for (int r = 0; r < n_exc; r++) {
+            int j = exc[r];
+            store_le(p + (int64_t)r * I, (uint64_t)j, I);
+            store_le(hi_p + (int64_t)r * S, zz[j] >> ww[j], S);
+        }
     }
-    return table_size;
+    if (base == tmp) memcpy(dst, tmp, (size_t)size);
+    else memcpy(dst + size, saved, 8);
+    return size;
 }
 
 static void delta_choose_table(const ciera_delta_layout *l, const int64_t *hist, uint8_t *table) {
@@ -448,11 +480,37 @@ ALWAYS_INLINE void delta_hist_dispatch(const ciera_delta_layout *l, const void *
     else delta_hist_range(32, 23, 8, shard, state, lo, hi, hist);
 }
 
-static int64_t delta_encode_block_dispatch(const ciera_delta_layout *l, const uint8_t *table, const void *shard,
-                                           void *state, uint8_t *counts, int64_t b, uint8_t *dst) {
-    if (l->total_bits == 16 && l->mant_bits == 7) return delta_encode_block(l, 16, 7, 8, table, shard, state, counts, b, dst);
-    if (l->total_bits == 16) return delta_encode_block(l, 16, 10, 5, table, shard, state, counts, b, dst);
-    return delta_encode_block(l, 32, 23, 8, table, shard, state, counts, b, dst);
+/* Encodes blocks [b_lo, b_hi) back to back from dst, which holds `room` bytes (packing stops at
+ * the first block that does not fit; sizes go on). ends[b - b_lo]: end of block b from dst (when
+ * ends is not NULL). Returns the bytes of the whole range. */
+static int64_t delta_encode_blocks(const ciera_delta_layout *l, const uint8_t *table, const void *shard, void *state,
+                                   uint8_t *counts, int64_t b_lo, int64_t b_hi, uint8_t *dst, int64_t room,
+                                   int64_t *ends) {
+    int64_t pos = 0;
+    for (int64_t b = b_lo; b < b_hi; b++) {
+        int64_t r = room - pos < 0 ? 0 : room - pos;
+        if (l->total_bits == 16 && l->mant_bits == 7)
+            pos += delta_encode_block(l, 16, 7, 8, table, shard, state, counts, b, dst + pos, r);
+        else if (l->total_bits == 16)
+            pos += delta_encode_block(l, 16, 10, 5, table, shard, state, counts, b, dst + pos, r);
+        else
+            pos += delta_encode_block(l, 32, 23, 8, table, shard, state, counts, b, dst + pos, r);
+        if (ends) ends[b - b_lo] = pos;
+    }
+    return pos;
+}
+
+/* Scratch of the calling thread, kept for its next call (OpenMP workers persist): the packed
+ * chunks of threads > 0 and their block ends. Grows to the largest chunk seen; never shrinks. */
+static uint8_t *thread_scratch(size_t nbytes) {
+    static _Thread_local uint8_t *buf = NULL;
+    static _Thread_local size_t cap = 0;
+    if (nbytes > cap) {
+        free(buf);
+        buf = malloc(nbytes);
+        cap = buf ? nbytes : 0;
+    }
+    return buf;
 }
 
 int64_t ciera_delta_encode(const ciera_delta_layout *l, const void *shard, void *state, uint8_t *out,
@@ -465,51 +523,63 @@ int64_t ciera_delta_encode(const ciera_delta_layout *l, const void *shard, void 
     const int64_t n_hist = ((int64_t)1 << l->exp_bits) * (W + 1);
     threads = clamp_threads(threads);
     if (threads > nb) threads = (int)nb;
-    /* per thread: 2 histograms; per block: local end offset; per chunk: a packed copy */
-    uint32_t *hists = calloc((size_t)threads * 2 * n_hist, sizeof(uint32_t));
+    uint32_t *hists = calloc((size_t)threads * 4 * n_hist, sizeof(uint32_t)); /* 4 per thread */
     int64_t *hist = calloc((size_t)n_hist, sizeof(int64_t));
-    int64_t *ends = malloc((size_t)nb * sizeof(int64_t));
-    uint8_t *scratch = malloc((size_t)(n * S + threads * 64));
-    if (!hists || !hist || !ends || !scratch) {
-        free(hists); free(hist); free(ends); free(scratch);
+    if (!hists || !hist) {
+        free(hists); free(hist);
         return CIERA_E_NOMEM;
     }
     uint8_t table[256];
     int64_t totals[CIERA_MAX_THREADS + 1];
+    int nomem = 0;
     uint8_t *table_out = out + l->off_table, *counts = out + l->off_counts;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int k = CIERA_THREAD_ID();
         int64_t lo, hi;
         chunk_of(k, threads, nb, B, n, &lo, &hi);
-        delta_hist_dispatch(l, shard, state, lo, hi, hists + (int64_t)k * 2 * n_hist);
+        int64_t b_lo = lo / B, b_hi = (hi + B - 1) / B;
+        delta_hist_dispatch(l, shard, state, lo, hi, hists + (int64_t)k * 4 * n_hist);
 #pragma omp barrier
 #pragma omp single
         {
-            for (int t = 0; t < 2 * threads; t++)
+            for (int t = 0; t < 4 * threads; t++)
                 for (int64_t i = 0; i < n_hist; i++) hist[i] += hists[(int64_t)t * n_hist + i];
             delta_choose_table(l, hist, table);
             for (int64_t c = 0; c < ((int64_t)1 << l->exp_bits); c++) table_out[c] = table[c];
         } /* implicit barrier: the table is ready, every state value has been read */
-        uint8_t *dst = scratch + lo * S + (int64_t)k * 64;
-        int64_t pos = 0;
-        for (int64_t b = lo / B; b * B < hi; b++) {
-            pos += delta_encode_block_dispatch(l, table, shard, state, counts, b, dst + pos);
-            ends[b] = pos;
+        int64_t nblk = b_hi - b_lo;
+        uint8_t *scratch = NULL, *dst = NULL;
+        int64_t *ends = NULL;
+        if (k == 0) { /* the first chunk starts at off_data: straight into out */
+            totals[1] = delta_encode_blocks(l, table, shard, state, counts, b_lo, b_hi, out + l->off_data,
+                                            capacity - l->off_data, NULL);
+        } else { /* the others into scratch, copied once every earlier chunk's size is known */
+            scratch = thread_scratch((size_t)(nblk * 8 + (hi - lo) * S + 64));
+            ends = (int64_t *)scratch;
+            dst = scratch + nblk * 8;
+            if (!scratch) {
+#pragma omp atomic write
+                nomem = 1;
+                totals[k + 1] = 0;
+            } else {
+                totals[k + 1] = delta_encode_blocks(l, table, shard, state, counts, b_lo, b_hi, dst,
+                                                    (hi - lo) * S + 64, ends);
+            }
         }
-        totals[k + 1] = pos;
 #pragma omp barrier
-        int64_t off = l->off_data;
-        for (int j = 0; j < k; j++) off += totals[j + 1];
-        /* Blocks fit as a prefix: copy those whose end is inside the capacity. */
-        int64_t keep = 0;
-        for (int64_t b = lo / B; b * B < hi && off + ends[b] <= capacity; b++) keep = ends[b];
-        if (keep) memcpy(out + off, dst, (size_t)keep);
+        if (k > 0 && scratch) {
+            int64_t off = l->off_data;
+            for (int j = 0; j < k; j++) off += totals[j + 1];
+            int64_t keep = 0; /* blocks fit as a prefix: copy those that end inside the capacity */
+            for (int64_t i = 0; i < nblk && off + ends[i] <= capacity; i++) keep = ends[i];
+            if (keep) memcpy(out + off, dst, (size_t)keep);
+        }
     }
     int64_t needed = l->off_data;
     for (int j = 0; j < threads; j++) needed += totals[j + 1];
-    free(hists); free(hist); free(ends); free(scratch);
-    return needed;
+    free(hists); free(hist);
+    return nomem ? CIERA_E_NOMEM : needed;
 }
 
 /* Widths of block b's values from the previous values; returns the table-mode size of its groups. */
@@ -520,17 +590,17 @@ ALWAYS_INLINE int64_t delta_block_widths(const ciera_delta_layout *l, int W, int
     const int64_t v0 = b * B;
     const int valid = (int)min64(B, l->numel - v0);
     int64_t bytes = 0;
-    uint32_t gbits = 0;
-    for (int j = 0; j < valid; j++) {
-        uint8_t w = table[(load_u(target, v0 + j, W) >> M) & emask];
-        if (ww) ww[j] = w;
-        gbits += w;
-        if ((j + 1) % G == 0) {
-            bytes += (gbits + 7) / 8;
-            gbits = 0;
+    for (int g0 = 0; g0 < valid; g0 += (int)G) {
+        int g1 = (int)min64(g0 + G, valid);
+        uint32_t gbits = 0;
+        for (int j = g0; j < g1; j++) {
+            uint8_t w = table[(load_u(target, v0 + j, W) >> M) & emask];
+            if (ww) ww[j] = w;
+            gbits += w;
         }
+        bytes += (gbits + 7) / 8;
     }
-    return bytes + (gbits + 7) / 8;
+    return bytes;
 }
 
 /* Size of block b in bytes, or a negative error code. */
