@@ -28,6 +28,14 @@
 #define CIERA_MAX_THREADS 256
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
+/* Hot loops get an AVX2 clone next to the baseline one, picked at load time (GNU ifunc), so one
+ * build runs everywhere and vectorises where the CPU can. */
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__) && !defined(CIERA_NO_CLONES)
+#define HOT __attribute__((target_clones("avx2", "default")))
+#else
+#define HOT
+#endif
+
 enum {
     CIERA_OK = 0,
     CIERA_E_TOO_MANY_BLOCKS = -1, /* exponent_reuse: more changed blocks than slots */
@@ -159,7 +167,7 @@ ALWAYS_INLINE void er_encode_range(const ciera_er_layout *l, int W, int M, int E
     }
 }
 
-static void er_encode_range_dispatch(const ciera_er_layout *l, const void *shard, uint8_t *state, uint8_t *out,
+HOT static void er_encode_range_dispatch(const ciera_er_layout *l, const void *shard, uint8_t *state, uint8_t *out,
                                      int64_t lo, int64_t hi) {
     if (l->total_bits == 16 && l->mant_bits == 7)
         er_encode_range(l, 16, 7, 8, 1, 0, shard, state, out, lo, hi);
@@ -268,7 +276,7 @@ ALWAYS_INLINE void er_decode_range(const ciera_er_layout *l, int W, int M, int E
     }
 }
 
-static void er_decode_range_dispatch(const ciera_er_layout *l, const uint8_t *payload, void *target, int64_t lo,
+HOT static void er_decode_range_dispatch(const ciera_er_layout *l, const uint8_t *payload, void *target, int64_t lo,
                                      int64_t hi, int64_t slot) {
     if (l->total_bits == 16 && l->mant_bits == 7)
         er_decode_range(l, 16, 7, 8, 1, 0, payload, target, lo, hi, slot);
@@ -337,8 +345,19 @@ ALWAYS_INLINE uint32_t unzigzag_add_u(uint32_t u_old, uint32_t z, int W) {
     return (u_old + ((z >> 1) ^ (0u - (z & 1)))) & mask;
 }
 
-/* Bits of z (0 for 0), without a branch: z is 0 for about half the values, unpredictably. */
+/* Bits of z (0 for 0), without a branch (z is 0 for about half the values, unpredictably). Below
+ * 2^24 the float conversion is exact and its exponent field is the bit length + 126: that form
+ * vectorises; wider values use the count of leading zeros. */
 ALWAYS_INLINE int bitlen_u(uint32_t z) { return 32 - __builtin_clz(z | 1) - (z == 0); }
+
+ALWAYS_INLINE int bitlen_w(uint32_t z, int W) {
+    if (W > 24) return bitlen_u(z);
+    float f = (float)(int32_t)z;
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    int t = (int)(b >> 23) - 126;
+    return t < 0 ? 0 : t;
+}
 
 ALWAYS_INLINE void delta_hist_range(int W, int M, int E, const void *shard, const void *state, int64_t lo, int64_t hi,
                                     uint32_t *hist) {
@@ -346,17 +365,22 @@ ALWAYS_INLINE void delta_hist_range(int W, int M, int E, const void *shard, cons
     const int64_t nh = ((int64_t)1 << E) * (W + 1);
     /* Four interleaved histograms: a run of equal keys (most values of a class do not move) would
        otherwise serialise on one counter's load-add-store. */
-    int64_t i = lo;
-    for (; i + 4 <= hi; i += 4) {
-        for (int r = 0; r < 4; r++) {
-            uint32_t u_old = load_u(state, i + r, W);
-            uint32_t z = zigzag_u(load_u(shard, i + r, W), u_old, W);
-            hist[r * nh + ((u_old >> M) & emask) * (W + 1) + bitlen_u(z)]++;
+    uint16_t key[256];
+    for (int64_t t0 = lo; t0 < hi; t0 += 256) {
+        int cnt = (int)min64(256, hi - t0);
+        for (int j = 0; j < cnt; j++) { /* vectorisable */
+            uint32_t u_old = load_u(state, t0 + j, W);
+            uint32_t z = zigzag_u(load_u(shard, t0 + j, W), u_old, W);
+            key[j] = (uint16_t)(((u_old >> M) & emask) * (W + 1) + bitlen_w(z, W));
         }
-    }
-    for (; i < hi; i++) {
-        uint32_t u_old = load_u(state, i, W);
-        hist[((u_old >> M) & emask) * (W + 1) + bitlen_u(zigzag_u(load_u(shard, i, W), u_old, W))]++;
+        int j = 0;
+        for (; j + 4 <= cnt; j += 4) {
+            hist[key[j]]++;
+            hist[nh + key[j + 1]]++;
+            hist[2 * nh + key[j + 2]]++;
+            hist[3 * nh + key[j + 3]]++;
+        }
+        for (; j < cnt; j++) hist[key[j]]++;
     }
 }
 
@@ -405,22 +429,28 @@ ALWAYS_INLINE int64_t delta_encode_block(const ciera_delta_layout *l, int W, int
     const int64_t v0 = b * B;
     const int valid = (int)min64(B, n - v0);
     uint32_t zz[DELTA_MAX_BLOCK];
-    uint8_t ww[DELTA_MAX_BLOCK];
+    uint8_t ww[DELTA_MAX_BLOCK], ee[DELTA_MAX_BLOCK], ll[DELTA_MAX_BLOCK];
     uint16_t exc[DELTA_MAX_BLOCK];
+    /* Vectorisable: z, previous exponent and bit length of every value; then the new state. */
+    for (int j = 0; j < valid; j++) {
+        uint32_t u_old = load_u(state, v0 + j, W);
+        uint32_t z = zigzag_u(load_u(shard, v0 + j, W), u_old, W);
+        zz[j] = z;
+        ee[j] = (uint8_t)((u_old >> M) & emask);
+        ll[j] = (uint8_t)bitlen_w(z, W);
+    }
+    memcpy((uint8_t *)state + v0 * (W / 8), (const uint8_t *)shard + v0 * (W / 8), (size_t)valid * (W / 8));
+    /* Scalar: widths from the table, exceptions, group sizes. */
     int n_exc = 0;
     int64_t bytes = 0;
     for (int g0 = 0; g0 < valid; g0 += (int)G) {
         int g1 = (int)min64(g0 + G, valid);
         uint32_t gbits = 0;
         for (int j = g0; j < g1; j++) {
-            uint32_t u_old = load_u(state, v0 + j, W), u_new = load_u(shard, v0 + j, W);
-            uint32_t z = zigzag_u(u_new, u_old, W);
-            uint8_t w = table[(u_old >> M) & emask];
-            store_u(state, v0 + j, u_new, W);
-            zz[j] = z;
+            uint8_t w = table[ee[j]];
             ww[j] = w;
             exc[n_exc] = (uint16_t)j;
-            n_exc += bitlen_u(z) > w;
+            n_exc += ll[j] > w;
             gbits += w;
         }
         bytes += (gbits + 7) / 8;
@@ -473,7 +503,7 @@ static void delta_choose_table(const ciera_delta_layout *l, const int64_t *hist,
     }
 }
 
-ALWAYS_INLINE void delta_hist_dispatch(const ciera_delta_layout *l, const void *shard, const void *state, int64_t lo,
+HOT static void delta_hist_dispatch(const ciera_delta_layout *l, const void *shard, const void *state, int64_t lo,
                                        int64_t hi, uint32_t *hist) {
     if (l->total_bits == 16 && l->mant_bits == 7) delta_hist_range(16, 7, 8, shard, state, lo, hi, hist);
     else if (l->total_bits == 16) delta_hist_range(16, 10, 5, shard, state, lo, hi, hist);
@@ -483,7 +513,7 @@ ALWAYS_INLINE void delta_hist_dispatch(const ciera_delta_layout *l, const void *
 /* Encodes blocks [b_lo, b_hi) back to back from dst, which holds `room` bytes (packing stops at
  * the first block that does not fit; sizes go on). ends[b - b_lo]: end of block b from dst (when
  * ends is not NULL). Returns the bytes of the whole range. */
-static int64_t delta_encode_blocks(const ciera_delta_layout *l, const uint8_t *table, const void *shard, void *state,
+HOT static int64_t delta_encode_blocks(const ciera_delta_layout *l, const uint8_t *table, const void *shard, void *state,
                                    uint8_t *counts, int64_t b_lo, int64_t b_hi, uint8_t *dst, int64_t room,
                                    int64_t *ends) {
     int64_t pos = 0;
@@ -677,7 +707,7 @@ ALWAYS_INLINE int delta_decode_chunk(const ciera_delta_layout *l, int W, int M, 
     return CIERA_OK;
 }
 
-static int delta_decode_chunk_dispatch(const ciera_delta_layout *l, const uint8_t *table, const uint8_t *payload,
+HOT static int delta_decode_chunk_dispatch(const ciera_delta_layout *l, const uint8_t *table, const uint8_t *payload,
                                        int64_t length, void *target, int64_t b_lo, int64_t b_hi, int64_t pos) {
     if (l->total_bits == 16 && l->mant_bits == 7)
         return delta_decode_chunk(l, 16, 7, 8, table, payload, length, target, b_lo, b_hi, pos);
@@ -685,7 +715,7 @@ static int delta_decode_chunk_dispatch(const ciera_delta_layout *l, const uint8_
     return delta_decode_chunk(l, 32, 23, 8, table, payload, length, target, b_lo, b_hi, pos);
 }
 
-static int64_t delta_size_range(const ciera_delta_layout *l, const uint8_t *table, const uint8_t *counts,
+HOT static int64_t delta_size_range(const ciera_delta_layout *l, const uint8_t *table, const uint8_t *counts,
                                 const void *target, int64_t b_lo, int64_t b_hi) {
     int64_t total = 0;
     for (int64_t b = b_lo; b < b_hi; b++) {
