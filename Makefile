@@ -3,16 +3,20 @@ PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-all bench
+.PHONY: setup native demo test test-all bench
 
 setup: $(VENV)/.installed
 
 # torch==2.13.0 (CPU) via the `cpu` extra; GPU clusters install with `pip install -e '.[triton]'`.
-$(VENV)/.installed: setup.py
+$(VENV)/.installed: setup.py ciera/native/csrc/ciera_codecs.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
 	$(BIN)/python -m pip install -q -e '.[cpu,triton,dev]'
 	touch $@
+
+# Rebuild the native CPU codecs in place after editing ciera/native/csrc (make setup builds them too).
+native: setup
+	$(BIN)/python setup.py -q build_ext --inplace
 
 demo: setup
 	$(BIN)/python examples/cpu_demo.py

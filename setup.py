@@ -3,11 +3,38 @@
 ``megatron`` is a namespace package owned by megatron-core, so ``megatron.ciera`` is installed
 without a ``megatron/__init__.py`` (one would hide ``megatron.core``).
 
+The native CPU codecs (``ciera/native/csrc``, plain C11 + OpenMP, no Python or torch headers) are
+built here as an *optional* extension: without a working C compiler the install still succeeds and
+the codecs fall back to their pure-torch references (``ciera.native`` logs why).
+
 Torch is not pinned here: GPU clusters bring their own build. The ``cpu`` extra pins the CPU
 build used on development machines and CI (``pip install -e '.[cpu,dev]'``).
 """
 
-from setuptools import find_namespace_packages, setup
+from setuptools import Extension, find_namespace_packages, setup
+from setuptools.command.build_ext import build_ext
+
+
+class BuildNative(build_ext):
+    """Builds ``ciera.native._ciera_codecs`` with OpenMP, or without it where the compiler lacks it."""
+
+    def build_extension(self, ext):
+        try:
+            super().build_extension(ext)
+        except Exception as e:  # no OpenMP: one thread per call, same bytes
+            print(f"ciera.native: OpenMP build failed ({e}); building single-threaded")
+            ext.extra_compile_args = [a for a in ext.extra_compile_args if a != "-fopenmp"]
+            ext.extra_link_args = [a for a in ext.extra_link_args if a != "-fopenmp"]
+            super().build_extension(ext)
+
+
+NATIVE = Extension(
+    "ciera.native._ciera_codecs",
+    sources=["ciera/native/csrc/ciera_codecs.c"],
+    extra_compile_args=["-std=c11", "-O3", "-fopenmp", "-fno-strict-aliasing"],
+    extra_link_args=["-fopenmp"],
+    optional=True,
+)
 
 setup(
     name="ciera-megatron",
@@ -18,6 +45,8 @@ setup(
     python_requires=">=3.10",
     packages=find_namespace_packages(include=["ciera", "ciera.*", "megatron.ciera", "megatron.ciera.*"]),
     py_modules=["pretrain_gpt"],
+    ext_modules=[NATIVE],
+    cmdclass={"build_ext": BuildNative},
     install_requires=[
         "torch>=2.4",
         "megatron-core>=0.16.1",
@@ -30,5 +59,7 @@ setup(
         "gpu": ["transformer-engine[pytorch]"],
         "plots": ["matplotlib"],
         "dev": ["pytest>=8", "hypothesis>=6", "matplotlib"],
+        # Peers in tools/bench_codec.py (optional rows): ZipNN and zstd.
+        "peers": ["zipnn", "zstandard"],
     },
 )

@@ -102,8 +102,8 @@ class Codec(abc.ABC):
     def __init__(self, *, dtype: torch.dtype, numel: int, backend: str = "auto"):
         if numel < 0:
             raise ValueError(f"numel={numel} must be >= 0")
-        if backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"backend={backend!r}; expected 'auto', 'torch' or 'triton'")
+        if backend not in ("auto", "torch", "triton", "native"):
+            raise ValueError(f"backend={backend!r}; expected 'auto', 'torch', 'triton' or 'native'")
         self.fmt: FloatFormat = float_format(dtype)
         self.dtype = dtype
         self.numel = numel
@@ -202,7 +202,11 @@ class Codec(abc.ABC):
         """Raise when ``state`` is not what :meth:`new_state` returns for this codec."""
 
     def _impl(self, which: str, t: torch.Tensor):
-        """The reference or, on CUDA (see :meth:`_use_triton`), the Triton twin of ``which``."""
+        """The reference or, on CUDA (see :meth:`_use_triton`), the Triton twin of ``which``; on CPU
+        the native twin when built (see :meth:`_native`)."""
+        native = self._native(t)
+        if native is not None:
+            return getattr(native, f"{which}_native")
         if self._use_triton(t):
             return getattr(importlib.import_module(self.kernels), f"{which}_triton")
         return getattr(type(self), f"{which}_reference")
@@ -244,6 +248,19 @@ class Codec(abc.ABC):
             raise ValueError(f"{self.name}: payload of {payload.numel()} B is shorter than the {h.needed} B "
                              f"its header needs")
         return h
+
+    def _native(self, t: torch.Tensor):
+        """``ciera.native``'s module for this codec: CPU tensors under ``auto`` when the library is
+        built (else ``None``: the reference), always under ``native`` (else a clear error)."""
+        if self.backend not in ("auto", "native"):
+            return None
+        if t.device.type != "cpu":
+            if self.backend == "native":
+                raise RuntimeError(f"{self.name}: backend='native' runs on CPU tensors; got {t.device}")
+            return None
+        from ciera import native
+
+        return native.codec_module(self.name, required=self.backend == "native")
 
     def _use_triton(self, t: torch.Tensor) -> bool:
         if self.backend == "torch" or (self.backend == "auto" and not t.is_cuda):

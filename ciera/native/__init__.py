@@ -1,0 +1,55 @@
+"""Native CPU twins of the codecs: a small C library, loaded with ctypes, on tensors' data.
+
+On CPU tensors ``Codec`` dispatches here (``backend='auto'``; ``backend='native'`` forces it) and
+falls back to the pure-torch references, with one warning, when the library is missing. The
+references stay the definition of the formats; every function here has the signature of its
+reference (``encode_native``, ``decode_native``, ``decode_many_native`` in
+:mod:`ciera.native.exponent_reuse` and :mod:`ciera.native.delta`) and is tested byte for byte
+against it.
+
+Why C11 + OpenMP behind ctypes, built by ``setup.py``:
+
+* Both codecs are byte-granular scalar loops (a variable-width bit packer, a 17-bin-per-exponent
+  histogram, exponent compares per block): what pure torch is worst at (the delta reference moves
+  ~0.02 GB/s) and a C compiler is best at, auto-vectorising the exponent_reuse passes.
+* No torch or Python headers: the library does not depend on the torch ABI, so one build serves
+  every torch version, and pip's isolated build environment needs only setuptools and gcc (a
+  ``torch.utils.cpp_extension`` build would pull a multi-GB torch into it). ``setup.py`` builds it
+  during ``pip install`` / ``make setup`` as an *optional* extension: without a C compiler the
+  install still succeeds and the codecs run their references.
+* numba would add a large JIT dependency and first-call compile pauses on every rank;
+  ``torch.compile``'s C++ backend cannot express the sequential bit packing without graph breaks.
+* OpenMP threads follow ``torch.get_num_threads()``; each call cuts its shard into that many
+  chunks of whole blocks, so the bytes never depend on the thread count.
+
+``CIERA_NATIVE=0`` in the environment disables the library (the references run).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from ._lib import available, library, unavailable_reason
+
+CODECS = ("exponent_reuse", "delta")
+"""Codecs with a native twin (module ``ciera.native.<name>``)."""
+
+
+def codec_module(name: str, *, required: bool = False) -> ModuleType | None:
+    """The native module of codec ``name``, or ``None`` when it has none or the library is missing
+    (``required=True``: a clear error instead)."""
+    if name not in CODECS:
+        if required:
+            raise RuntimeError(f"{name}: backend='native' but this codec has no native implementation "
+                               f"(native codecs: {', '.join(CODECS)})")
+        return None
+    if library() is None:
+        if required:
+            raise RuntimeError(f"{name}: backend='native' but the native codec library is unavailable: "
+                               f"{unavailable_reason()}")
+        return None
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+__all__ = ["CODECS", "available", "codec_module", "library", "unavailable_reason"]

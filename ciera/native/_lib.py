@@ -1,0 +1,144 @@
+"""Loading the C library (``_ciera_codecs``, built by setup.py) and calling it on tensors."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.machinery
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ABI = 1
+"""Must equal ``CIERA_ABI`` in csrc/ciera_codecs.c: a stale build is refused, not trusted."""
+
+_HERE = Path(__file__).resolve().parent
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+ERRORS = {
+    -1: "corrupt payload: more changed blocks than the payload has room for",
+    -2: "corrupt payload: a section runs past the payload's end",
+    -3: "corrupt payload: an exception count above the block's values",
+    -4: "corrupt payload: a width above the value's bits in the width table",
+    -5: "corrupt payload: an exception index past the block's values",
+    -6: "unsupported layout or arguments",
+    -7: "out of memory",
+    -8: "payload header is not a valid, non-overflowed payload of this codec and layout",
+}
+
+
+class ErLayout(ctypes.Structure):
+    """Mirror of ``ciera_er_layout``."""
+
+    _fields_ = [(f, _I64) for f in (
+        "numel", "block_size", "total_bits", "exp_bits", "mant_bits", "sm_bytes", "n_planes", "plane_bytes",
+        "off_signmant", "off_planes", "off_bitmap", "off_exps")]
+
+
+class DeltaLayout(ctypes.Structure):
+    """Mirror of ``ciera_delta_layout``."""
+
+    _fields_ = [(f, _I64) for f in (
+        "numel", "block_size", "total_bits", "exp_bits", "mant_bits", "group_size", "count_bytes", "index_bytes",
+        "high_bytes", "off_table", "off_counts", "off_data")]
+
+
+def _candidates() -> list[Path]:
+    return [_HERE / f"_ciera_codecs{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    if os.environ.get("CIERA_NATIVE", "1") == "0":
+        return None, "disabled by CIERA_NATIVE=0"
+    path = next((p for p in _candidates() if p.exists()), None)
+    if path is None:
+        reason = (f"not built (no _ciera_codecs library in {_HERE}; reinstall with a C compiler: "
+                  "`pip install -e .` or `make setup`)")
+    else:
+        try:
+            lib = ctypes.CDLL(str(path))
+            abi = lib.ciera_abi()
+            if abi != ABI:
+                reason = f"{path.name} is a stale build (ABI {abi}, expected {ABI}); rebuild with `make native`"
+            else:
+                _declare(lib)
+                return lib, ""
+        except OSError as e:
+            reason = f"cannot load {path}: {e}"
+    logger.warning("ciera.native: C codecs unavailable, CPU tensors use the pure-torch references: %s", reason)
+    return None, reason
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.ciera_openmp.restype = ctypes.c_int
+    for name in ("ciera_er_encode", "ciera_delta_encode"):
+        fn = getattr(lib, name)
+        fn.restype = _I64
+        fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, ctypes.c_int]
+    for name in ("ciera_er_decode", "ciera_delta_decode"):
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [_PTR, _PTR, _I64, _PTR, ctypes.c_int]
+    lib.ciera_decode_many.restype = ctypes.c_int
+    lib.ciera_decode_many.argtypes = [ctypes.c_int, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64,
+                                      ctypes.c_int, ctypes.POINTER(_I64)]
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library, or ``None`` (logged once) when it is missing, stale or disabled."""
+    return _load()[0]
+
+
+def available() -> bool:
+    """True when the native codecs can run."""
+    return library() is not None
+
+
+def unavailable_reason() -> str:
+    """Why :func:`library` is ``None`` (empty when it is available)."""
+    return _load()[1]
+
+
+def threads() -> int:
+    """Threads a native call uses: torch's intra-op setting (``torch.set_num_threads``)."""
+    return max(1, torch.get_num_threads())
+
+
+def check(name: str, what: str, t: torch.Tensor, dtype: torch.dtype, numel: int | None = None) -> None:
+    """Raise unless ``t`` is a contiguous CPU tensor of ``dtype`` (and ``numel`` values)."""
+    if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous() or (numel is not None and t.numel() != numel):
+        raise ValueError(f"{name} (native): {what} must be a contiguous CPU {dtype} tensor"
+                         + (f" of {numel} values" if numel is not None else "")
+                         + f"; got {t.device} {t.dtype} of {t.numel()} values (contiguous={t.is_contiguous()})")
+
+
+def raise_for(name: str, rc: int) -> None:
+    """Turn a negative return code of the library into a ValueError."""
+    if rc < 0:
+        raise ValueError(f"{name}: {ERRORS.get(int(rc), f'native error {rc}')}")
+
+
+def decode_many(*, name: str, codec_id: int, clayout, bits_dtype: torch.dtype, numel: int, payloads: torch.Tensor,
+                rows: torch.Tensor, offsets: torch.Tensor, targets_bits: torch.Tensor) -> None:
+    """Shared body of the codecs' ``decode_many_native`` (see CONTRACT: rows, offsets, headers)."""
+    check(name, "payloads", payloads, torch.uint8)
+    check(name, "rows", rows, torch.int64)
+    check(name, "offsets", offsets, torch.int64, rows.numel())
+    if targets_bits.dim() != 2 or targets_bits.shape[1] != numel:
+        raise ValueError(f"{name} (native): targets_bits must be [world, {numel}]; got {list(targets_bits.shape)}")
+    check(name, "targets_bits", targets_bits, bits_dtype)
+    bad = _I64(-1)
+    rc = library().ciera_decode_many(codec_id, ctypes.addressof(clayout), payloads.data_ptr(), payloads.numel(),
+                                     rows.data_ptr(), offsets.data_ptr(), rows.numel(), targets_bits.data_ptr(),
+                                     targets_bits.shape[0], targets_bits.stride(0) * targets_bits.element_size(),
+                                     threads(), ctypes.byref(bad))
+    if rc < 0:
+        i = int(bad.value)
+        where = (f"entry {i} (row {int(rows[i])}, offset {int(offsets[i])})" if 0 <= i < rows.numel() else "")
+        raise ValueError(f"{name}: decode_many {where}: {ERRORS.get(int(rc), f'native error {rc}')}")

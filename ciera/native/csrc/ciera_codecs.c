@@ -1,0 +1,801 @@
+/* Native CPU twins of the CIERA codecs (exponent_reuse and delta).
+ *
+ * Plain C11 (+ OpenMP when the compiler has it), no Python or torch headers: loaded with ctypes
+ * on tensors' data pointers by ciera/native/_lib.py. The payload formats are defined by the
+ * pure-torch references in ciera/codecs/{exponent_reuse,delta}.py; every function here writes
+ * the same bytes (everything the reference writes up to `needed`, and nothing else) and decodes
+ * to the same bits. Section offsets come from the Python layout dataclasses (one source of truth).
+ *
+ * Threads: every entry point takes `threads`; the work is cut into that many contiguous chunks of
+ * whole blocks (chunks never share an output byte), so results do not depend on it.
+ *
+ * Decoders never read or write outside the buffers they are given: a payload whose sections run
+ * past its length, or whose counts, widths or indices are impossible, returns a negative error
+ * code (the target may then be partly written, as with the reference's errors).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#define CIERA_THREAD_ID() omp_get_thread_num()
+#else
+#define CIERA_THREAD_ID() 0
+#endif
+
+#define CIERA_ABI 1
+#define CIERA_MAX_THREADS 256
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* Hot loops get an AVX2 clone next to the baseline one, picked at load time (GNU ifunc), so one
+ * build runs everywhere and vectorises where the CPU can. */
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__) && !defined(CIERA_NO_CLONES)
+#define HOT __attribute__((target_clones("avx2", "default")))
+#else
+#define HOT
+#endif
+
+enum {
+    CIERA_OK = 0,
+    CIERA_E_TOO_MANY_BLOCKS = -1, /* exponent_reuse: more changed blocks than slots */
+    CIERA_E_TRUNCATED = -2,       /* a section runs past the payload */
+    CIERA_E_BAD_COUNT = -3,       /* delta: an exception count above the block's values */
+    CIERA_E_BAD_TABLE = -4,       /* delta: a width above W */
+    CIERA_E_BAD_INDEX = -5,       /* delta: an exception index past the block's values */
+    CIERA_E_ARGS = -6,            /* unsupported layout / arguments */
+    CIERA_E_NOMEM = -7,
+    CIERA_E_HEADER = -8,          /* decode_many: header magic, codec id, flags or capacity */
+};
+
+int ciera_abi(void) { return CIERA_ABI; }
+
+int ciera_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static int clamp_threads(int threads) {
+    if (threads < 1) return 1;
+    return threads > CIERA_MAX_THREADS ? CIERA_MAX_THREADS : threads;
+}
+
+ALWAYS_INLINE uint32_t load_u(const void *p, int64_t i, int W) {
+    return W == 16 ? (uint32_t)((const uint16_t *)p)[i] : ((const uint32_t *)p)[i];
+}
+
+ALWAYS_INLINE void store_u(void *p, int64_t i, uint32_t v, int W) {
+    if (W == 16) ((uint16_t *)p)[i] = (uint16_t)v;
+    else ((uint32_t *)p)[i] = v;
+}
+
+ALWAYS_INLINE uint64_t load64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+ALWAYS_INLINE uint64_t load_le(const uint8_t *p, int nbytes) {
+    uint64_t v = 0;
+    for (int k = 0; k < nbytes; k++) v |= (uint64_t)p[k] << (8 * k);
+    return v;
+}
+
+ALWAYS_INLINE void store_le(uint8_t *p, uint64_t v, int nbytes) {
+    for (int k = 0; k < nbytes; k++) p[k] = (uint8_t)(v >> (8 * k));
+}
+
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* Chunk k of `threads` over `units` units of `unit` values: [*lo, *hi) in values, clipped to n. */
+static void chunk_of(int k, int threads, int64_t units, int64_t unit, int64_t n, int64_t *lo, int64_t *hi) {
+    int64_t per = (units + threads - 1) / threads;
+    *lo = min64((int64_t)k * per * unit, n);
+    *hi = min64((int64_t)(k + 1) * per * unit, n);
+}
+
+/* ============================================================================================
+ * exponent_reuse
+ * ============================================================================================ */
+typedef struct {
+    int64_t numel, block_size, total_bits, exp_bits, mant_bits;
+    int64_t sm_bytes, n_planes, plane_bytes;
+    int64_t off_signmant, off_planes, off_bitmap, off_exps;
+} ciera_er_layout;
+
+/* Values a chunk must be a multiple of: whole bitmap bytes (8 blocks) and whole plane bytes. */
+static int64_t er_unit(const ciera_er_layout *l) {
+    int64_t u = 8 * l->block_size;
+    return u < 64 ? 64 : u;
+}
+
+static int64_t er_slots(const ciera_er_layout *l, int64_t capacity) {
+    int64_t nb = (l->numel + l->block_size - 1) / l->block_size;
+    int64_t s = (capacity - l->off_exps) / l->block_size;
+    if (capacity < l->off_exps) s = 0;
+    return s < 0 ? 0 : min64(s, nb);
+}
+
+/* Sign|mantissa bytes, planes, bitmap and new state for values [lo, hi) (lo a multiple of 64). */
+ALWAYS_INLINE void er_encode_range(const ciera_er_layout *l, int W, int M, int E, int SMB, int NP,
+                                   const void *shard, uint8_t *state, uint8_t *out, int64_t lo, int64_t hi) {
+    const int64_t B = l->block_size;
+    const int64_t sub = B < 64 ? B : 64;
+    const int lb = __builtin_ctzll((unsigned long long)B); /* B is a power of two */
+    const uint32_t emask = (1u << E) - 1, mmask = (1u << M) - 1;
+    uint8_t *sm_out = out + l->off_signmant;
+    uint8_t *bitmap = out + l->off_bitmap;
+    int64_t nb = (l->numel + B - 1) / B;
+    int64_t b_lo = lo / B, b_hi = (hi + B - 1) / B;
+    int64_t byte_lo = b_lo / 8, byte_hi = min64((b_hi + 7) / 8, (nb + 7) / 8);
+    if (byte_hi > byte_lo) memset(bitmap + byte_lo, 0, (size_t)(byte_hi - byte_lo));
+    for (int64_t t0 = lo; t0 < hi; t0 += 64) {
+        int cnt = (int)min64(64, hi - t0);
+        uint8_t d[64];
+        uint64_t planes[3] = {0, 0, 0};
+        for (int j = 0; j < cnt; j++) {
+            uint32_t u = load_u(shard, t0 + j, W);
+            uint8_t e = (uint8_t)((u >> M) & emask);
+            uint32_t sm = (u & mmask) | ((u >> (W - 1)) << M);
+            d[j] = e ^ state[t0 + j];
+            state[t0 + j] = e;
+            for (int k = 0; k < SMB; k++) sm_out[(t0 + j) * SMB + k] = (uint8_t)(sm >> (8 * k));
+            for (int p = 0; p < NP; p++) planes[p] |= (uint64_t)((sm >> (8 * SMB + p)) & 1) << j;
+        }
+        for (int j = cnt; j < 64; j++) d[j] = 0;
+        for (int p = 0; p < NP; p++) {
+            uint8_t *dst = out + l->off_planes + p * l->plane_bytes + t0 / 8;
+            for (int k = 0; k < (cnt + 7) / 8; k++) dst[k] = (uint8_t)(planes[p] >> (8 * k));
+        }
+        for (int s = 0; s * sub < cnt; s++) {
+            int any;
+            if (sub == 8) {
+                any = load64(d + 8 * s) != 0;
+            } else {
+                uint8_t o = 0;
+                for (int j = 0; j < sub; j++) o |= d[s * sub + j];
+                any = o != 0;
+            }
+            if (any) {
+                int64_t b = (t0 + s * sub) >> lb;
+                bitmap[b >> 3] |= (uint8_t)(1u << (b & 7));
+            }
+        }
+    }
+}
+
+HOT static void er_encode_range_dispatch(const ciera_er_layout *l, const void *shard, uint8_t *state, uint8_t *out,
+                                     int64_t lo, int64_t hi) {
+    if (l->total_bits == 16 && l->mant_bits == 7)
+        er_encode_range(l, 16, 7, 8, 1, 0, shard, state, out, lo, hi);
+    else if (l->total_bits == 16 && l->mant_bits == 10)
+        er_encode_range(l, 16, 10, 5, 1, 3, shard, state, out, lo, hi);
+    else
+        er_encode_range(l, 32, 23, 8, 3, 0, shard, state, out, lo, hi);
+}
+
+static int er_supported(const ciera_er_layout *l) {
+    int bf16 = l->total_bits == 16 && l->mant_bits == 7 && l->exp_bits == 8 && l->sm_bytes == 1 && l->n_planes == 0;
+    int fp16 = l->total_bits == 16 && l->mant_bits == 10 && l->exp_bits == 5 && l->sm_bytes == 1 && l->n_planes == 3;
+    int fp32 = l->total_bits == 32 && l->mant_bits == 23 && l->exp_bits == 8 && l->sm_bytes == 3 && l->n_planes == 0;
+    return (bf16 || fp16 || fp32) && l->block_size >= 1 && (l->block_size & (l->block_size - 1)) == 0 &&
+           l->numel >= 0;
+}
+
+/* Set bits [blo, bhi) of a bitmap; blo is a multiple of 8 (chunks own whole bitmap bytes). */
+static int64_t popcount_blocks(const uint8_t *p, int64_t blo, int64_t bhi) {
+    int64_t c = 0, i = blo / 8, end = bhi / 8;
+    for (; i + 8 <= end; i += 8) c += __builtin_popcountll(load64(p + i));
+    for (; i < end; i++) c += __builtin_popcount(p[i]);
+    if (bhi % 8) c += __builtin_popcount(p[end] & ((1u << (bhi % 8)) - 1));
+    return c;
+}
+
+/* Returns the bytes needed (>= 0) or a negative error code. */
+int64_t ciera_er_encode(const ciera_er_layout *l, const void *shard, uint8_t *state, uint8_t *out,
+                        int64_t capacity, int threads) {
+    if (!er_supported(l) || capacity < l->off_exps) return CIERA_E_ARGS;
+    const int64_t n = l->numel, B = l->block_size, unit = er_unit(l);
+    const int64_t nb = (n + B - 1) / B, slots = er_slots(l, capacity);
+    threads = clamp_threads(threads);
+    int64_t units = (n + unit - 1) / unit;
+    if (threads > units) threads = units > 0 ? (int)units : 1;
+    int64_t changed[CIERA_MAX_THREADS + 1];
+    if (n == 0) {
+        return l->off_exps;
+    }
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int k = CIERA_THREAD_ID();
+        int64_t lo, hi;
+        chunk_of(k, threads, units, unit, n, &lo, &hi);
+        if (hi > lo) er_encode_range_dispatch(l, shard, state, out, lo, hi);
+        int64_t blo = lo / B, bhi = (hi + B - 1) / B;
+        changed[k + 1] = hi > lo ? popcount_blocks(out + l->off_bitmap, blo, bhi) : 0;
+#pragma omp barrier
+        int64_t base = 0;
+        for (int j = 0; j < k; j++) base += changed[j + 1];
+        /* Exponents of changed blocks, in block order, while they fit in the slots. */
+        const uint8_t *bitmap = out + l->off_bitmap;
+        uint8_t *exps = out + l->off_exps;
+        int64_t slot = base;
+        for (int64_t byte = blo / 8; hi > lo && byte < min64((bhi + 7) / 8, (nb + 7) / 8) && slot < slots; byte++) {
+            unsigned bits = bitmap[byte];
+            while (bits && slot < slots) {
+                int64_t b = byte * 8 + __builtin_ctz(bits);
+                bits &= bits - 1;
+                int64_t v0 = b * B, valid = min64(B, n - v0);
+                memcpy(exps + slot * B, state + v0, (size_t)valid);
+                if (valid < B) memset(exps + slot * B + valid, 0, (size_t)(B - valid));
+                slot++;
+            }
+        }
+    }
+    int64_t total = 0;
+    for (int j = 0; j < threads; j++) total += changed[j + 1];
+    return l->off_exps + total * B;
+}
+
+ALWAYS_INLINE void er_decode_range(const ciera_er_layout *l, int W, int M, int E, int SMB, int NP,
+                                   const uint8_t *payload, void *target, int64_t lo, int64_t hi, int64_t slot) {
+    const int64_t B = l->block_size;
+    const uint32_t exp_field = ((1u << E) - 1) << M, mmask = (1u << M) - 1, sign_bit = 1u << (W - 1);
+    const uint8_t *sm_in = payload + l->off_signmant;
+    for (int64_t t0 = lo; t0 < hi; t0 += 64) {
+        int cnt = (int)min64(64, hi - t0);
+        uint64_t planes[3] = {0, 0, 0};
+        for (int p = 0; p < NP; p++) {
+            const uint8_t *src = payload + l->off_planes + p * l->plane_bytes + t0 / 8;
+            for (int k = 0; k < (cnt + 7) / 8; k++) planes[p] |= (uint64_t)src[k] << (8 * k);
+        }
+        for (int j = 0; j < cnt; j++) {
+            uint32_t sm = 0;
+            for (int k = 0; k < SMB; k++) sm |= (uint32_t)sm_in[(t0 + j) * SMB + k] << (8 * k);
+            for (int p = 0; p < NP; p++) sm |= (uint32_t)((planes[p] >> j) & 1) << (8 * SMB + p);
+            uint32_t u = load_u(target, t0 + j, W);
+            u = (u & exp_field) | (sm & mmask) | (((sm >> M) & 1) ? sign_bit : 0);
+            store_u(target, t0 + j, u, W);
+        }
+    }
+    /* Patch the exponents of the changed blocks. */
+    const uint8_t *bitmap = payload + l->off_bitmap;
+    const uint8_t *exps = payload + l->off_exps;
+    int64_t blo = lo / B, bhi = (hi + B - 1) / B;
+    for (int64_t b = blo; b < bhi; b++) {
+        if (!((bitmap[b >> 3] >> (b & 7)) & 1)) continue;
+        int64_t v0 = b * B, valid = min64(B, l->numel - v0);
+        const uint8_t *src = exps + slot * B;
+        for (int64_t j = 0; j < valid; j++) {
+            uint32_t u = load_u(target, v0 + j, W);
+            store_u(target, v0 + j, (u & ~exp_field) | ((uint32_t)src[j] << M), W);
+        }
+        slot++;
+    }
+}
+
+HOT static void er_decode_range_dispatch(const ciera_er_layout *l, const uint8_t *payload, void *target, int64_t lo,
+                                     int64_t hi, int64_t slot) {
+    if (l->total_bits == 16 && l->mant_bits == 7)
+        er_decode_range(l, 16, 7, 8, 1, 0, payload, target, lo, hi, slot);
+    else if (l->total_bits == 16 && l->mant_bits == 10)
+        er_decode_range(l, 16, 10, 5, 1, 3, payload, target, lo, hi, slot);
+    else
+        er_decode_range(l, 32, 23, 8, 3, 0, payload, target, lo, hi, slot);
+}
+
+int ciera_er_decode(const ciera_er_layout *l, const uint8_t *payload, int64_t length, void *target, int threads) {
+    if (!er_supported(l)) return CIERA_E_ARGS;
+    const int64_t n = l->numel, B = l->block_size, unit = er_unit(l);
+    if (length < l->off_exps) return CIERA_E_TRUNCATED;
+    if (n == 0) return CIERA_OK;
+    threads = clamp_threads(threads);
+    int64_t units = (n + unit - 1) / unit;
+    if (threads > units) threads = (int)units;
+    const uint8_t *bitmap = payload + l->off_bitmap;
+    int64_t base[CIERA_MAX_THREADS + 1];
+    base[0] = 0;
+    for (int k = 0; k < threads; k++) {
+        int64_t lo, hi;
+        chunk_of(k, threads, units, unit, n, &lo, &hi);
+        int64_t blo = lo / B, bhi = (hi + B - 1) / B;
+        base[k + 1] = base[k] + (hi > lo ? popcount_blocks(bitmap, blo, bhi) : 0);
+    }
+    if (base[threads] > er_slots(l, length)) return CIERA_E_TOO_MANY_BLOCKS;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int k = CIERA_THREAD_ID();
+        int64_t lo, hi;
+        chunk_of(k, threads, units, unit, n, &lo, &hi);
+        if (hi > lo) er_decode_range_dispatch(l, payload, target, lo, hi, base[k]);
+    }
+    return CIERA_OK;
+}
+
+/* ============================================================================================
+ * delta
+ * ============================================================================================ */
+typedef struct {
+    int64_t numel, block_size, total_bits, exp_bits, mant_bits;
+    int64_t group_size, count_bytes, index_bytes, high_bytes;
+    int64_t off_table, off_counts, off_data;
+} ciera_delta_layout;
+
+#define DELTA_MAX_BLOCK 4096
+
+static int delta_supported(const ciera_delta_layout *l) {
+    int fmt = (l->total_bits == 16 && ((l->mant_bits == 7 && l->exp_bits == 8) || (l->mant_bits == 10 && l->exp_bits == 5))) ||
+              (l->total_bits == 32 && l->mant_bits == 23 && l->exp_bits == 8);
+    int64_t B = l->block_size;
+    return fmt && B >= 8 && B <= DELTA_MAX_BLOCK && (B & (B - 1)) == 0 && l->numel >= 0 &&
+           l->group_size == (B < 64 ? B : 64) && l->count_bytes == (B < 255 ? 1 : 2) &&
+           l->index_bytes == (B <= 256 ? 1 : 2) && l->high_bytes == l->total_bits / 8;
+}
+
+ALWAYS_INLINE uint32_t zigzag_u(uint32_t u_new, uint32_t u_old, int W) {
+    uint32_t mask = W == 32 ? 0xFFFFFFFFu : ((1u << W) - 1);
+    uint32_t d = (u_new - u_old) & mask;
+    return ((d << 1) ^ (0u - (d >> (W - 1)))) & mask;
+}
+
+ALWAYS_INLINE uint32_t unzigzag_add_u(uint32_t u_old, uint32_t z, int W) {
+    uint32_t mask = W == 32 ? 0xFFFFFFFFu : ((1u << W) - 1);
+    return (u_old + ((z >> 1) ^ (0u - (z & 1)))) & mask;
+}
+
+/* Bits of z (0 for 0), without a branch (z is 0 for about half the values, unpredictably). Below
+ * 2^24 the float conversion is exact and its exponent field is the bit length + 126: that form
+ * vectorises; wider values use the count of leading zeros. */
+ALWAYS_INLINE int bitlen_u(uint32_t z) { return 32 - __builtin_clz(z | 1) - (z == 0); }
+
+ALWAYS_INLINE int bitlen_w(uint32_t z, int W) {
+    if (W > 24) return bitlen_u(z);
+    float f = (float)(int32_t)z;
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    int t = (int)(b >> 23) - 126;
+    return t < 0 ? 0 : t;
+}
+
+ALWAYS_INLINE void delta_hist_range(int W, int M, int E, const void *shard, const void *state, int64_t lo, int64_t hi,
+                                    uint32_t *hist) {
+    const uint32_t emask = (1u << E) - 1;
+    const int64_t nh = ((int64_t)1 << E) * (W + 1);
+    /* Four interleaved histograms: a run of equal keys (most values of a class do not move) would
+       otherwise serialise on one counter's load-add-store. */
+    uint16_t key[256];
+    for (int64_t t0 = lo; t0 < hi; t0 += 256) {
+        int cnt = (int)min64(256, hi - t0);
+        for (int j = 0; j < cnt; j++) { /* vectorisable */
+            uint32_t u_old = load_u(state, t0 + j, W);
+            uint32_t z = zigzag_u(load_u(shard, t0 + j, W), u_old, W);
+            key[j] = (uint16_t)(((u_old >> M) & emask) * (W + 1) + bitlen_w(z, W));
+        }
+        int j = 0;
+        for (; j + 4 <= cnt; j += 4) {
+            hist[key[j]]++;
+            hist[nh + key[j + 1]]++;
+            hist[2 * nh + key[j + 2]]++;
+            hist[3 * nh + key[j + 3]]++;
+        }
+        for (; j < cnt; j++) hist[key[j]]++;
+    }
+}
+
+/* Bit-packs values [j0, j1) of zz at widths ww (LSB first) from dst; returns one past the last
+ * byte. Writes up to 8 bytes past it (zeros): dst needs that slack. The 64-bit accumulator is
+ * flushed every F values (F * W + 7 <= 64), so the loop carries two short dependency chains. */
+ALWAYS_INLINE uint8_t *pack_group(int W, const uint32_t *zz, const uint8_t *ww, int j0, int j1, uint8_t *dst) {
+    enum { F16 = 3 };
+    const int F = W == 16 ? F16 : 1;
+    uint64_t acc = 0;
+    unsigned nbits = 0;
+    int j = j0;
+    for (; j + F <= j1; j += F) {
+        for (int f = 0; f < F; f++) {
+            unsigned w = ww[j + f];
+            acc |= ((uint64_t)zz[j + f] & (((uint64_t)1 << w) - 1)) << nbits;
+            nbits += w;
+        }
+        memcpy(dst, &acc, 8);
+        dst += nbits >> 3;
+        acc >>= nbits & ~7u;
+        nbits &= 7u;
+    }
+    for (; j < j1; j++) {
+        unsigned w = ww[j];
+        acc |= ((uint64_t)zz[j] & (((uint64_t)1 << w) - 1)) << nbits;
+        nbits += w;
+        memcpy(dst, &acc, 8);
+        dst += nbits >> 3;
+        acc >>= nbits & ~7u;
+        nbits &= 7u;
+    }
+    if (nbits) memcpy(dst, &acc, 8), dst++;
+    return dst;
+}
+
+/* Encodes block b: writes its count field and the new state, and packs it at `dst` when its size
+ * is at most `room` bytes (the bytes dst may hold; packing past them never happens). Returns the
+ * block's size in bytes. */
+ALWAYS_INLINE int64_t delta_encode_block(const ciera_delta_layout *l, int W, int M, int E, const uint8_t *table,
+                                         const void *shard, void *state, uint8_t *counts, int64_t b, uint8_t *dst,
+                                         int64_t room) {
+    const int64_t B = l->block_size, G = l->group_size, n = l->numel;
+    const int I = (int)l->index_bytes, S = (int)l->high_bytes, C = (int)l->count_bytes;
+    const uint32_t emask = (1u << E) - 1;
+    const int64_t v0 = b * B;
+    const int valid = (int)min64(B, n - v0);
+    uint32_t zz[DELTA_MAX_BLOCK];
+    uint8_t ww[DELTA_MAX_BLOCK], ee[DELTA_MAX_BLOCK], ll[DELTA_MAX_BLOCK];
+    uint16_t exc[DELTA_MAX_BLOCK];
+    /* Vectorisable: z, previous exponent and bit length of every value; then the new state. */
+    for (int j = 0; j < valid; j++) {
+        uint32_t u_old = load_u(state, v0 + j, W);
+        uint32_t z = zigzag_u(load_u(shard, v0 + j, W), u_old, W);
+        zz[j] = z;
+        ee[j] = (uint8_t)((u_old >> M) & emask);
+        ll[j] = (uint8_t)bitlen_w(z, W);
+    }
+    memcpy((uint8_t *)state + v0 * (W / 8), (const uint8_t *)shard + v0 * (W / 8), (size_t)valid * (W / 8));
+    /* Scalar: widths from the table, exceptions, group sizes. */
+    int n_exc = 0;
+    int64_t bytes = 0;
+    for (int g0 = 0; g0 < valid; g0 += (int)G) {
+        int g1 = (int)min64(g0 + G, valid);
+        uint32_t gbits = 0;
+        for (int j = g0; j < g1; j++) {
+            uint8_t w = table[ee[j]];
+            ww[j] = w;
+            exc[n_exc] = (uint16_t)j;
+            n_exc += ll[j] > w;
+            gbits += w;
+        }
+        bytes += (gbits + 7) / 8;
+    }
+    int64_t table_size = bytes + (int64_t)n_exc * (I + S), raw_size = (int64_t)valid * S;
+    int raw = table_size > raw_size;
+    int64_t size = raw ? raw_size : table_size;
+    store_le(counts + b * C, raw ? (C == 1 ? 0xFF : 0xFFFF) : (uint64_t)n_exc, C);
+    if (size > room) return size;
+    /* The packer's slack (8 bytes past the block) must stay inside dst, and is put back as it was:
+       only the block's own bytes change, as with the reference. */
+    uint8_t tmp[DELTA_MAX_BLOCK * 4 + 16], saved[8] = {0};
+    uint8_t *base = size + 8 <= room ? dst : tmp;
+    if (base == dst) memcpy(saved, dst + size, 8);
+    if (raw) {
+        for (int j = 0; j < valid; j++) store_le(base + (int64_t)j * S, zz[j], S);
+    } else {
+        uint8_t *p = base;
+        for (int g0 = 0; g0 < valid; g0 += (int)G) p = pack_group(W, zz, ww, g0, (int)min64(g0 + G, valid), p);
+        uint8_t *hi_p = p + (int64_t)n_exc * I;
+        for (int r = 0; r < n_exc; r++) {
+            int j = exc[r];
+            store_le(p + (int64_t)r * I, (uint64_t)j, I);
+            store_le(hi_p + (int64_t)r * S, zz[j] >> ww[j], S);
+        }
+    }
+    if (base == tmp) memcpy(dst, tmp, (size_t)size);
+    else memcpy(dst + size, saved, 8);
+    return size;
+}
+
+static void delta_choose_table(const ciera_delta_layout *l, const int64_t *hist, uint8_t *table) {
+    const int W = (int)l->total_bits;
+    const int64_t E_bits = 8 * (l->index_bytes + l->high_bytes);
+    for (int64_t c = 0; c < ((int64_t)1 << l->exp_bits); c++) {
+        const int64_t *h = hist + c * (W + 1);
+        int64_t N = 0;
+        for (int L = 0; L <= W; L++) N += h[L];
+        int64_t cum = 0, best_key = INT64_MAX;
+        int best = 0;
+        for (int w = 0; w <= W; w++) {
+            cum += h[w];
+            int64_t key = (N * w + E_bits * (N - cum)) * 64 + w;
+            if (key < best_key) {
+                best_key = key;
+                best = w;
+            }
+        }
+        table[c] = (uint8_t)best;
+    }
+}
+
+HOT static void delta_hist_dispatch(const ciera_delta_layout *l, const void *shard, const void *state, int64_t lo,
+                                       int64_t hi, uint32_t *hist) {
+    if (l->total_bits == 16 && l->mant_bits == 7) delta_hist_range(16, 7, 8, shard, state, lo, hi, hist);
+    else if (l->total_bits == 16) delta_hist_range(16, 10, 5, shard, state, lo, hi, hist);
+    else delta_hist_range(32, 23, 8, shard, state, lo, hi, hist);
+}
+
+/* Encodes blocks [b_lo, b_hi) back to back from dst, which holds `room` bytes (packing stops at
+ * the first block that does not fit; sizes go on). ends[b - b_lo]: end of block b from dst (when
+ * ends is not NULL). Returns the bytes of the whole range. */
+HOT static int64_t delta_encode_blocks(const ciera_delta_layout *l, const uint8_t *table, const void *shard, void *state,
+                                   uint8_t *counts, int64_t b_lo, int64_t b_hi, uint8_t *dst, int64_t room,
+                                   int64_t *ends) {
+    int64_t pos = 0;
+    for (int64_t b = b_lo; b < b_hi; b++) {
+        int64_t r = room - pos < 0 ? 0 : room - pos;
+        if (l->total_bits == 16 && l->mant_bits == 7)
+            pos += delta_encode_block(l, 16, 7, 8, table, shard, state, counts, b, dst + pos, r);
+        else if (l->total_bits == 16)
+            pos += delta_encode_block(l, 16, 10, 5, table, shard, state, counts, b, dst + pos, r);
+        else
+            pos += delta_encode_block(l, 32, 23, 8, table, shard, state, counts, b, dst + pos, r);
+        if (ends) ends[b - b_lo] = pos;
+    }
+    return pos;
+}
+
+/* Scratch of the calling thread, kept for its next call (OpenMP workers persist): the packed
+ * chunks of threads > 0 and their block ends. Grows to the largest chunk seen; never shrinks. */
+static uint8_t *thread_scratch(size_t nbytes) {
+    static _Thread_local uint8_t *buf = NULL;
+    static _Thread_local size_t cap = 0;
+    if (nbytes > cap) {
+        free(buf);
+        buf = malloc(nbytes);
+        cap = buf ? nbytes : 0;
+    }
+    return buf;
+}
+
+int64_t ciera_delta_encode(const ciera_delta_layout *l, const void *shard, void *state, uint8_t *out,
+                           int64_t capacity, int threads) {
+    if (!delta_supported(l) || capacity < l->off_data) return CIERA_E_ARGS;
+    const int64_t n = l->numel, B = l->block_size, S = l->high_bytes;
+    const int W = (int)l->total_bits;
+    if (n == 0) return l->off_data;
+    const int64_t nb = (n + B - 1) / B;
+    const int64_t n_hist = ((int64_t)1 << l->exp_bits) * (W + 1);
+    threads = clamp_threads(threads);
+    if (threads > nb) threads = (int)nb;
+    uint32_t *hists = calloc((size_t)threads * 4 * n_hist, sizeof(uint32_t)); /* 4 per thread */
+    int64_t *hist = calloc((size_t)n_hist, sizeof(int64_t));
+    if (!hists || !hist) {
+        free(hists); free(hist);
+        return CIERA_E_NOMEM;
+    }
+    uint8_t table[256];
+    int64_t totals[CIERA_MAX_THREADS + 1];
+    int nomem = 0;
+    uint8_t *table_out = out + l->off_table, *counts = out + l->off_counts;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int k = CIERA_THREAD_ID();
+        int64_t lo, hi;
+        chunk_of(k, threads, nb, B, n, &lo, &hi);
+        int64_t b_lo = lo / B, b_hi = (hi + B - 1) / B;
+        delta_hist_dispatch(l, shard, state, lo, hi, hists + (int64_t)k * 4 * n_hist);
+#pragma omp barrier
+#pragma omp single
+        {
+            for (int t = 0; t < 4 * threads; t++)
+                for (int64_t i = 0; i < n_hist; i++) hist[i] += hists[(int64_t)t * n_hist + i];
+            delta_choose_table(l, hist, table);
+            for (int64_t c = 0; c < ((int64_t)1 << l->exp_bits); c++) table_out[c] = table[c];
+        } /* implicit barrier: the table is ready, every state value has been read */
+        int64_t nblk = b_hi - b_lo;
+        uint8_t *scratch = NULL, *dst = NULL;
+        int64_t *ends = NULL;
+        if (k == 0) { /* the first chunk starts at off_data: straight into out */
+            totals[1] = delta_encode_blocks(l, table, shard, state, counts, b_lo, b_hi, out + l->off_data,
+                                            capacity - l->off_data, NULL);
+        } else { /* the others into scratch, copied once every earlier chunk's size is known */
+            scratch = thread_scratch((size_t)(nblk * 8 + (hi - lo) * S + 64));
+            ends = (int64_t *)scratch;
+            dst = scratch + nblk * 8;
+            if (!scratch) {
+#pragma omp atomic write
+                nomem = 1;
+                totals[k + 1] = 0;
+            } else {
+                totals[k + 1] = delta_encode_blocks(l, table, shard, state, counts, b_lo, b_hi, dst,
+                                                    (hi - lo) * S + 64, ends);
+            }
+        }
+#pragma omp barrier
+        if (k > 0 && scratch) {
+            int64_t off = l->off_data;
+            for (int j = 0; j < k; j++) off += totals[j + 1];
+            int64_t keep = 0; /* blocks fit as a prefix: copy those that end inside the capacity */
+            for (int64_t i = 0; i < nblk && off + ends[i] <= capacity; i++) keep = ends[i];
+            if (keep) memcpy(out + off, dst, (size_t)keep);
+        }
+    }
+    int64_t needed = l->off_data;
+    for (int j = 0; j < threads; j++) needed += totals[j + 1];
+    free(hists); free(hist);
+    return nomem ? CIERA_E_NOMEM : needed;
+}
+
+/* Widths of block b's values from the previous values; returns the table-mode size of its groups. */
+ALWAYS_INLINE int64_t delta_block_widths(const ciera_delta_layout *l, int W, int M, int E, const uint8_t *table,
+                                         const void *target, int64_t b, uint8_t *ww) {
+    const int64_t B = l->block_size, G = l->group_size;
+    const uint32_t emask = (1u << E) - 1;
+    const int64_t v0 = b * B;
+    const int valid = (int)min64(B, l->numel - v0);
+    int64_t bytes = 0;
+    for (int g0 = 0; g0 < valid; g0 += (int)G) {
+        int g1 = (int)min64(g0 + G, valid);
+        uint32_t gbits = 0;
+        for (int j = g0; j < g1; j++) {
+            uint8_t w = table[(load_u(target, v0 + j, W) >> M) & emask];
+            if (ww) ww[j] = w;
+            gbits += w;
+        }
+        bytes += (gbits + 7) / 8;
+    }
+    return bytes;
+}
+
+/* Size of block b in bytes, or a negative error code. */
+ALWAYS_INLINE int64_t delta_block_size(const ciera_delta_layout *l, int W, int M, int E, const uint8_t *table,
+                                       const uint8_t *counts, const void *target, int64_t b, uint8_t *ww) {
+    const int C = (int)l->count_bytes, S = (int)l->high_bytes, I = (int)l->index_bytes;
+    const int64_t valid = min64(l->block_size, l->numel - b * l->block_size);
+    uint64_t c = load_le(counts + b * C, C);
+    uint64_t mark = C == 1 ? 0xFF : 0xFFFF;
+    if (c == mark) return valid * S;
+    if ((int64_t)c > valid) return CIERA_E_BAD_COUNT;
+    return delta_block_widths(l, W, M, E, table, target, b, ww) + (int64_t)c * (I + S);
+}
+
+ALWAYS_INLINE int delta_decode_chunk(const ciera_delta_layout *l, int W, int M, int E, const uint8_t *table,
+                                     const uint8_t *payload, int64_t length, void *target, int64_t b_lo, int64_t b_hi,
+                                     int64_t pos) {
+    const int64_t B = l->block_size, G = l->group_size, n = l->numel;
+    const int C = (int)l->count_bytes, S = (int)l->high_bytes, I = (int)l->index_bytes;
+    const uint8_t *counts = payload + l->off_counts;
+    const uint64_t mark = C == 1 ? 0xFF : 0xFFFF;
+    uint8_t ww[DELTA_MAX_BLOCK];
+    uint32_t zz[DELTA_MAX_BLOCK];
+    for (int64_t b = b_lo; b < b_hi; b++) {
+        const int64_t v0 = b * B;
+        const int valid = (int)min64(B, n - v0);
+        uint64_t c = load_le(counts + b * C, C);
+        if (c == mark) {
+            if (pos + (int64_t)valid * S > length) return CIERA_E_TRUNCATED;
+            for (int j = 0; j < valid; j++) {
+                uint32_t z = (uint32_t)load_le(payload + pos + (int64_t)j * S, S);
+                store_u(target, v0 + j, unzigzag_add_u(load_u(target, v0 + j, W), z, W), W);
+            }
+            pos += (int64_t)valid * S;
+            continue;
+        }
+        if ((int64_t)c > valid) return CIERA_E_BAD_COUNT;
+        int64_t gbytes = delta_block_widths(l, W, M, E, table, target, b, ww);
+        int64_t end = pos + gbytes + (int64_t)c * (I + S);
+        if (end > length) return CIERA_E_TRUNCATED;
+        const uint8_t *p = payload + pos;
+        for (int g0 = 0; g0 < valid; g0 += (int)G) {
+            int g1 = (int)min64(g0 + G, valid);
+            uint64_t bp = 0;
+            if (p + 8 + (G * W + 7) / 8 <= payload + length) {
+                for (int j = g0; j < g1; j++) {
+                    unsigned w = ww[j];
+                    zz[j] = (uint32_t)((load64(p + (bp >> 3)) >> (bp & 7)) & (((uint64_t)1 << w) - 1));
+                    bp += w;
+                }
+            } else { /* near the end of the payload: bytewise, never past it */
+                for (int j = g0; j < g1; j++) {
+                    unsigned w = ww[j];
+                    uint64_t v = 0;
+                    int64_t at = (int64_t)(bp >> 3);
+                    for (int t = 0; t < 5 && p + at + t < payload + length; t++) v |= (uint64_t)p[at + t] << (8 * t);
+                    zz[j] = (uint32_t)((v >> (bp & 7)) & (((uint64_t)1 << w) - 1));
+                    bp += w;
+                }
+            }
+            p += (bp + 7) >> 3;
+        }
+        const uint8_t *hi_p = p + (int64_t)c * I;
+        for (int64_t r = 0; r < (int64_t)c; r++) {
+            int64_t j = (int64_t)load_le(p + r * I, I);
+            if (j >= valid) return CIERA_E_BAD_INDEX;
+            uint64_t hi = load_le(hi_p + r * S, S);
+            zz[j] |= (uint32_t)(hi << ww[j]);
+        }
+        for (int j = 0; j < valid; j++)
+            store_u(target, v0 + j, unzigzag_add_u(load_u(target, v0 + j, W), zz[j], W), W);
+        pos = end;
+    }
+    return CIERA_OK;
+}
+
+HOT static int delta_decode_chunk_dispatch(const ciera_delta_layout *l, const uint8_t *table, const uint8_t *payload,
+                                       int64_t length, void *target, int64_t b_lo, int64_t b_hi, int64_t pos) {
+    if (l->total_bits == 16 && l->mant_bits == 7)
+        return delta_decode_chunk(l, 16, 7, 8, table, payload, length, target, b_lo, b_hi, pos);
+    if (l->total_bits == 16) return delta_decode_chunk(l, 16, 10, 5, table, payload, length, target, b_lo, b_hi, pos);
+    return delta_decode_chunk(l, 32, 23, 8, table, payload, length, target, b_lo, b_hi, pos);
+}
+
+HOT static int64_t delta_size_range(const ciera_delta_layout *l, const uint8_t *table, const uint8_t *counts,
+                                const void *target, int64_t b_lo, int64_t b_hi) {
+    int64_t total = 0;
+    for (int64_t b = b_lo; b < b_hi; b++) {
+        int64_t s;
+        if (l->total_bits == 16 && l->mant_bits == 7) s = delta_block_size(l, 16, 7, 8, table, counts, target, b, NULL);
+        else if (l->total_bits == 16) s = delta_block_size(l, 16, 10, 5, table, counts, target, b, NULL);
+        else s = delta_block_size(l, 32, 23, 8, table, counts, target, b, NULL);
+        if (s < 0) return s;
+        total += s;
+    }
+    return total;
+}
+
+/* Decoding share of the last chunk relative to the others: it alone needs no sizing pass (the
+ * sizing pass reads the previous exponents only, about a third of a decode's work). */
+#define DELTA_LAST_CHUNK_WEIGHT 1.3
+
+int ciera_delta_decode(const ciera_delta_layout *l, const uint8_t *payload, int64_t length, void *target, int threads) {
+    if (!delta_supported(l)) return CIERA_E_ARGS;
+    const int64_t n = l->numel, B = l->block_size;
+    const int W = (int)l->total_bits;
+    if (n == 0) return CIERA_OK;
+    if (length < l->off_data) return CIERA_E_TRUNCATED;
+    const int64_t nb = (n + B - 1) / B;
+    const uint8_t *table = payload + l->off_table;
+    for (int64_t c = 0; c < ((int64_t)1 << l->exp_bits); c++)
+        if (table[c] > W) return CIERA_E_BAD_TABLE;
+    threads = clamp_threads(threads);
+    if (threads > nb) threads = (int)nb;
+    /* Chunk boundaries in blocks: the last chunk is weighted up (it skips the sizing pass). */
+    int64_t bnd[CIERA_MAX_THREADS + 1];
+    double unit = (double)nb / (threads - 1 + (threads > 1 ? DELTA_LAST_CHUNK_WEIGHT : 1.0));
+    for (int k = 0; k < threads; k++) bnd[k] = min64((int64_t)(unit * k), nb);
+    bnd[threads] = nb;
+    int64_t sizes[CIERA_MAX_THREADS];
+    int rc[CIERA_MAX_THREADS];
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int k = CIERA_THREAD_ID();
+        if (k + 1 < threads) sizes[k] = delta_size_range(l, table, payload + l->off_counts, target, bnd[k], bnd[k + 1]);
+#pragma omp barrier
+        int64_t pos = l->off_data;
+        int bad = CIERA_OK;
+        for (int j = 0; j + 1 < threads; j++) {
+            if (sizes[j] < 0) bad = (int)sizes[j];
+            else if (j < k) pos += sizes[j];
+        }
+        rc[k] = bad != CIERA_OK ? bad : delta_decode_chunk_dispatch(l, table, payload, length, target, bnd[k], bnd[k + 1], pos);
+    }
+    for (int k = 0; k < threads; k++)
+        if (rc[k] != CIERA_OK) return rc[k];
+    return CIERA_OK;
+}
+
+/* ============================================================================================
+ * decode_many: several payloads in one flat buffer, each decoded into one row of `targets`
+ * ============================================================================================ */
+#define CIERA_MAGIC 0xC1E7AL
+#define CIERA_FLAG_OVERFLOW 1
+
+/* codec: 1 exponent_reuse, 2 delta (the codec ids). Returns 0, or a negative code with the index
+ * of the failing entry in *bad. Headers are checked before a payload is decoded. */
+int ciera_decode_many(int codec, const void *layout, const uint8_t *payloads, int64_t payloads_len,
+                      const int64_t *rows, const int64_t *offsets, int64_t k, void *targets, int64_t world,
+                      int64_t row_bytes, int threads, int64_t *bad) {
+    int64_t fixed = codec == 1 ? ((const ciera_er_layout *)layout)->off_exps
+                               : ((const ciera_delta_layout *)layout)->off_data;
+    for (int64_t i = 0; i < k; i++) {
+        *bad = i;
+        int64_t off = offsets[i], row = rows[i];
+        if (row < 0 || row >= world || off < 0 || off % 16 || off + 32 > payloads_len) return CIERA_E_ARGS;
+        int64_t h[4];
+        memcpy(h, payloads + off, sizeof h);
+        if (h[0] != ((CIERA_MAGIC << 8) | codec) || (h[1] & CIERA_FLAG_OVERFLOW) || h[3] < fixed ||
+            h[2] > h[3] || h[3] > payloads_len - off)
+            return CIERA_E_HEADER;
+        uint8_t *t = (uint8_t *)targets + row * row_bytes;
+        int r = codec == 1 ? ciera_er_decode((const ciera_er_layout *)layout, payloads + off, h[3], t, threads)
+                           : ciera_delta_decode((const ciera_delta_layout *)layout, payloads + off, h[3], t, threads);
+        if (r != CIERA_OK) return r;
+    }
+    return CIERA_OK;
+}

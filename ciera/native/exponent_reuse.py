@@ -1,0 +1,53 @@
+"""Native ``exponent_reuse``: same signatures as :mod:`ciera.codecs.exponent_reuse`'s references."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from ..codecs.exponent_reuse import ExponentReuseCodec, ExponentReuseLayout
+from . import _lib
+
+NAME = ExponentReuseCodec.name
+
+
+@functools.lru_cache(maxsize=256)
+def _c_layout(layout: ExponentReuseLayout) -> _lib.ErLayout:
+    f = layout.fmt
+    return _lib.ErLayout(layout.numel, layout.block_size, f.total_bits, f.exp_bits, f.mant_bits, layout.sm_bytes,
+                         layout.n_planes, layout.plane_bytes, layout.off_signmant, layout.off_planes,
+                         layout.off_bitmap, layout.off_exps)
+
+
+def encode_native(*, layout: ExponentReuseLayout, shard_bits: torch.Tensor, state: torch.Tensor,
+                  out: torch.Tensor) -> int:
+    """Writes the payload's sections (not the header) as ``encode_reference`` does, updates
+    ``state`` and returns the bytes needed."""
+    n = layout.numel
+    _lib.check(NAME, "shard_bits", shard_bits, layout.fmt.bits_dtype, n)
+    _lib.check(NAME, "state", state, torch.uint8, n)
+    _lib.check(NAME, "out", out, torch.uint8)
+    needed = _lib.library().ciera_er_encode(ctypes.addressof(_c_layout(layout)), shard_bits.data_ptr(),
+                                            state.data_ptr(), out.data_ptr(), out.numel(), _lib.threads())
+    _lib.raise_for(NAME, needed)
+    return int(needed)
+
+
+def decode_native(*, layout: ExponentReuseLayout, payload: torch.Tensor, target_bits: torch.Tensor) -> None:
+    """``target_bits`` (previous values) becomes the encoded shard, as with ``decode_reference``."""
+    _lib.check(NAME, "payload", payload, torch.uint8)
+    _lib.check(NAME, "target_bits", target_bits, layout.fmt.bits_dtype, layout.numel)
+    rc = _lib.library().ciera_er_decode(ctypes.addressof(_c_layout(layout)), payload.data_ptr(), payload.numel(),
+                                        target_bits.data_ptr(), _lib.threads())
+    _lib.raise_for(NAME, rc)
+
+
+def decode_many_native(*, layout: ExponentReuseLayout, payloads: torch.Tensor, rows: torch.Tensor,
+                       offsets: torch.Tensor, targets_bits: torch.Tensor) -> None:
+    """Decode the payload at ``offsets[i]`` into row ``rows[i]`` of ``targets_bits`` for every i; each
+    payload's length is the capacity in its header (checked, with the codec id and overflow flag)."""
+    _lib.decode_many(name=NAME, codec_id=ExponentReuseCodec.codec_id, clayout=_c_layout(layout),
+                     bits_dtype=layout.fmt.bits_dtype, numel=layout.numel, payloads=payloads, rows=rows,
+                     offsets=offsets, targets_bits=targets_bits)
