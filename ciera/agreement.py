@@ -82,6 +82,9 @@ def agree_sizes(gathers: Sequence["CieraAllGather"], *, group=None) -> list[Plan
     world = gathers[0].world
     if any(g.group is not group and g.group != group for g in gathers):
         raise ValueError("agree_sizes: every gather must belong to the given group")
+    again = [g.name for g in gathers if g._plan is not None]
+    if again:  # encoding twice would advance the sender state past what receivers hold
+        raise RuntimeError(f"agree_sizes: {again} are already prepared; start() them first")
     if world == 1:
         plans = [Plan(raw=True) for _ in gathers]
         for g, p in zip(gathers, plans):

@@ -310,7 +310,7 @@ class CieraAllGather:
         if self.selector is not None:
             switch = self.selector.before_gather(
                 self._started, warmup_left=self._raw_left, shard=self._shard, current=self._codec_name,
-                probe=self._encode_probe, stats=self.stats)
+                probe=self._encode_probe, stats=lambda: self.stats)
             if switch is not None:
                 self._switch(switch.codec, previous_shard=switch.previous_shard)
         if self._codec_name is None or self._raw_left > 0:

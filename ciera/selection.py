@@ -102,7 +102,8 @@ class Selector:
                       probe: Callable[[str, torch.Tensor], int], stats) -> Switch | None:
         """Called before encoding gather number ``index`` (0-based, before the size agreement).
         ``probe(name, previous)`` returns the bytes codec ``name`` needs for ``shard`` against
-        ``previous``; ``stats`` are the gather's counters. Returns the switch to apply, if any."""
+        ``previous``; ``stats()`` returns the gather's counters (read only when a decision is due:
+        on CUDA it waits for the recorded timing events). Returns the switch to apply, if any."""
         if warmup_left > 0 and self.decide_at < index + warmup_left:
             self.decide_at = index + warmup_left  # invalidated: decide right after the raw gathers
         switch = None
@@ -148,6 +149,7 @@ class Selector:
 
     def _refresh_speeds(self, *, current, stats) -> None:
         """Fold the real encode/decode timings since the last decision into the averages."""
+        stats = stats()
         last, self._last_stats = self._last_stats, stats
         if last is None or current is None:
             return

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from ciera.codecs import make_codec
 from ciera.cost_model import (
     CodecEstimate, CodecSpeed, Decision, Ewma, LinkModel, TwoLevelLink, agree, decide, fit_latency_bandwidth,
-    measure_codec_speed, measure_link, predict_compressed,
+    agreement_time, measure_codec_speed, measure_link, predict_compressed,
 )
 from ciera.testing import free_port
 
@@ -240,3 +240,23 @@ def test_decisions_identical_across_gloo_ranks():
     assert link0 == link1 and d0 == d1
     assert d0.predictions[1].wire_bytes_per_rank == pytest.approx(0.56 * d0.raw_bytes_per_rank)
 
+
+
+# -- the size agreement ----------------------------------------------------------------------------
+def test_agreement_is_charged_per_bucket_and_shared():
+    one = agreement_time(link=SLOW_ETH, world=8)
+    assert one == pytest.approx(SLOW_ETH.allgather_time(bytes_per_rank=16, world=8))
+    # 10 buckets share one collective of 160 B per rank: each pays a tenth of it
+    assert agreement_time(link=SLOW_ETH, world=8, buckets=10) == pytest.approx(
+        SLOW_ETH.allgather_time(bytes_per_rank=160, world=8) / 10)
+    plain = predict_compressed(raw_bytes_per_rank=1 << 20, world=8, link=SLOW_ETH, estimate=er(0.5))
+    charged = predict_compressed(raw_bytes_per_rank=1 << 20, world=8, link=SLOW_ETH, estimate=er(0.5),
+                                 agreement_s=one)
+    assert charged.total_s == pytest.approx(plain.total_s + one) and charged.comm_s == pytest.approx(plain.comm_s + one)
+
+
+def test_agreement_cost_tips_a_tiny_bucket_to_raw():
+    """A bucket so small that its payload saving is below the agreement's latency goes raw."""
+    small = dict(raw_bytes_per_rank=4096, world=8, link=SLOW_ETH, candidates=[er(0.5, enc=1e15, dec=1e15)])
+    assert decide(**small).choice == "exponent_reuse"
+    assert decide(**small, agreement_s=agreement_time(link=SLOW_ETH, world=8)).choice == "raw"

@@ -1,0 +1,31 @@
+"""plan_from_table: the pure rule every rank applies to the agreed sizes table."""
+
+import pytest
+
+from ciera.agreement import FLAG_FAILED, FLAG_RAW, Plan, plan_from_table
+
+NAMES = {1: "exponent_reuse", 2: "delta"}
+
+
+def plan(column, shard_bytes=4096):
+    return plan_from_table(column, codec_names=NAMES, shard_bytes=shard_bytes, name="b0")
+
+
+def test_exact_size_is_the_largest_payload_aligned():
+    p = plan([(2, 1000), (2, 1201), (2, 990)])
+    assert p == Plan(raw=False, codec_name="delta", size=1216, payload_bytes=3191)
+
+
+def test_any_raw_request_or_failure_makes_it_raw_everywhere():
+    assert plan([(2, 100), (FLAG_RAW, 0)]) == Plan(raw=True)
+    assert plan([(FLAG_FAILED, 0), (2, 100), (FLAG_FAILED, 0)]) == Plan(raw=True, failed_ranks=(0, 2))
+
+
+def test_a_shard_that_would_not_shrink_is_sent_raw():
+    assert plan([(2, 100), (2, 4090)]).raw  # 4096 aligned >= the 4096-byte shard
+    assert not plan([(2, 100), (2, 4000)]).raw
+
+
+def test_disagreeing_codecs_are_an_error_naming_the_bucket():
+    with pytest.raises(RuntimeError, match="b0: ranks propose different codecs"):
+        plan([(1, 100), (2, 100)])
