@@ -39,6 +39,8 @@ from ciera.codecs.delta import DeltaLayout
 
 _TILE_VALUES = 2048
 """Values per tile (whole blocks, at least 2): 8 per thread with 8 warps."""
+_HIST_VALUES = 8192
+"""Values per ``_hist`` program (no block structure there): amortises its per-bin atomics."""
 _NUM_WARPS = 8
 _EPOCHS = 1 << 18
 """Flag words carry ``(epoch % _EPOCHS) + 1`` in bits 44..62, a 2-bit flag in 42..43 (1: the
@@ -356,12 +358,13 @@ def encode_triton(*, layout: DeltaLayout, shard_bits: torch.Tensor, state: torch
     sh = _Shape(layout)
     s = _scratch(layout, dev, 1, "encode")
     c = sh.consts
-    hc = dict(W=c["W"], MANT=c["MANT"], EXPMASK=c["EXPMASK"], KB=sh.KB, NBINS=layout.n_classes * sh.KB, T=sh.T,
-              UT=c["UT"])
-    if sh.n_full:
-        _hist[(sh.n_full,)](shard_bits, state, s["hist"], n, sh.n_full, EVEN=True, **hc, num_warps=_NUM_WARPS)
-    if sh.tail:
-        _hist[(1,)](shard_bits, state, s["hist"], n, sh.n_full, EVEN=False, **hc, num_warps=_NUM_WARPS)
+    hc = dict(W=c["W"], MANT=c["MANT"], EXPMASK=c["EXPMASK"], KB=sh.KB, NBINS=layout.n_classes * sh.KB,
+              T=_HIST_VALUES, UT=c["UT"])
+    h_full = n // _HIST_VALUES
+    if h_full:
+        _hist[(h_full,)](shard_bits, state, s["hist"], n, h_full, EVEN=True, **hc, num_warps=_NUM_WARPS)
+    if n % _HIST_VALUES:
+        _hist[(1,)](shard_bits, state, s["hist"], n, h_full, EVEN=False, **hc, num_warps=_NUM_WARPS)
     _table[(1,)](s["hist"], out, layout.off_table, NCLS=layout.n_classes, KB=sh.KB, W=layout.width,
                  E=layout.exception_bits, num_warps=_NUM_WARPS)
     args = (shard_bits, state, out, s["counter"], s["flags"], s["needed"], n, sh.n_full, sh.n_tiles,

@@ -57,8 +57,12 @@ def _check(K, codec, prev, new, capacity):
     return needs[0], outs[0]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("n,block,tile", [(1000, 8, 64), (1100, 64, 128), (1024, 128, 256)])
+@pytest.mark.parametrize("dtype,n,block,tile", [
+    (torch.bfloat16, 1000, 8, 64),     # 15 full tiles of 8 blocks and a partial one
+    (torch.float16, 1100, 64, 128),    # 2-block tiles, partial last block
+    (torch.float32, 1024, 128, 256),   # full tiles only (no second launch), 32-bit words
+    (torch.bfloat16, 777, 128, 256),   # one partial block, default block size
+])
 def test_tiles_match_reference(K, monkeypatch, dtype, n, block, tile):
     monkeypatch.setattr(K, "_TILE_VALUES", tile)
     K._scratch.cache_clear()
