@@ -246,7 +246,7 @@ def _decode_tiles(payload_ptr, target_ptr, counter_ptr, flags_ptr, rows_ptr, off
     T: tl.constexpr = TB * B
     epoch, row, vid = _tile_id(counter_ptr, k, n_full, n_tiles, EVEN)
     if BATCHED:
-        pbase = tl.load(offsets_ptr + row)
+        pbase = tl.multiple_of(tl.load(offsets_ptr + row), 16)  # 16-byte aligned (CONTRACT.md)
         target_ptr += tl.load(rows_ptr + row) * n
     else:
         pbase = row * 0
@@ -332,11 +332,17 @@ class _Shape:
                            UT=tl.int32 if layout.width <= 16 else tl.int64)
 
 
-@functools.lru_cache(maxsize=64)
 def _scratch(layout: DeltaLayout, device: torch.device, k: int, purpose: str) -> dict:
-    """Device scratch of one (layout, device, k, purpose), allocated once: the look-back ticket
-    counter and flag words, and for encoding the class histogram (kept all-zero between calls by
-    ``_table``) and the bytes needed."""
+    """Device scratch of one (layout, device, k, purpose) on the current stream, allocated once:
+    the look-back ticket counter and flag words, and for encoding the class histogram (kept
+    all-zero between calls by ``_table``) and the bytes needed. Per stream, because the ticket
+    order is only meaningful for launches that run one after the other."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    return _scratch_on(layout, device, k, purpose, stream)
+
+
+@functools.lru_cache(maxsize=64)
+def _scratch_on(layout: DeltaLayout, device: torch.device, k: int, purpose: str, stream) -> dict:
     sh = _Shape(layout)
     s = dict(counter=torch.zeros(1, dtype=torch.int64, device=device),
              flags=torch.zeros(max(1, k * sh.n_tiles), dtype=torch.int64, device=device))

@@ -152,7 +152,8 @@ def _row_bases(rows_ptr, offsets_ptr, n, BATCHED: tl.constexpr):
     ``rows`` / ``offsets`` in a batched decode; (0, 0) otherwise."""
     if BATCHED:
         r = tl.program_id(1)
-        return tl.load(offsets_ptr + r), tl.load(rows_ptr + r) * n
+        # Payloads start 16-byte aligned (CONTRACT.md): lets the sign|mantissa bytes vectorise.
+        return tl.multiple_of(tl.load(offsets_ptr + r), 16), tl.load(rows_ptr + r) * n
     else:
         return tl.zeros([], tl.int64), tl.zeros([], tl.int64)
 

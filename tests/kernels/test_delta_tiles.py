@@ -35,7 +35,7 @@ def K():
             pytest.skip("triton was imported without TRITON_INTERPRET")
         mod = importlib.reload(mod)
     yield mod
-    mod._scratch.cache_clear()
+    mod._scratch_on.cache_clear()
 
 
 def _check(K, codec, prev, new, capacity):
@@ -65,7 +65,7 @@ def _check(K, codec, prev, new, capacity):
 ])
 def test_tiles_match_reference(K, monkeypatch, dtype, n, block, tile):
     monkeypatch.setattr(K, "_TILE_VALUES", tile)
-    K._scratch.cache_clear()
+    K._scratch_on.cache_clear()
     gen = torch.Generator().manual_seed(n + block)
     codec = DeltaCodec(dtype=dtype, numel=n, block_size=block)
     tr = AdamTrajectory(numel=n, dtype=dtype, lr=3e-4, seed=block)
