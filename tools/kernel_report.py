@@ -184,7 +184,8 @@ class KernelStats:
     static_instructions: int
     dynamic_instructions: float
     """Per warp, one program: every instruction once, loop bodies once per trip."""
-    loops: int
+    loops: list
+    """SASS instructions of each loop body, in address order."""
     ldg_widths: dict
 
 
@@ -226,11 +227,15 @@ def kernel_stats(launch: Launch, trips_of) -> KernelStats:
                 loops.append((lo, a, sum(1 for b, _, _ in body if lo <= b <= a)))
     dyn = float(len(body))
     if loops:
-        trips = trips_of(launch)
-        if trips is None:
+        trips_all = trips_of(launch)
+        if trips_all is None:
             raise RuntimeError(f"{launch.name}: its SASS has {len(loops)} loop(s) but its kernels module declares "
                                "no trip count in REPORT_LOOP_TRIPS")
-        for lo, hi, size in loops:
+        if isinstance(trips_all, (list, tuple)) and len(trips_all) != len(loops):
+            raise RuntimeError(f"{launch.name}: its SASS has {len(loops)} loop(s), REPORT_LOOP_TRIPS lists "
+                               f"{len(trips_all)}")
+        for i, (lo, hi, size) in enumerate(loops):
+            trips = trips_all[i] if isinstance(trips_all, (list, tuple)) else trips_all
             # Nested loops: an inner body runs trips^depth times.
             depth = sum(1 for lo2, hi2, _ in loops if lo2 <= lo and hi <= hi2)
             dyn += size * (trips ** depth - 1) if depth == 1 else size * (trips ** depth - trips ** (depth - 1))
@@ -238,8 +243,8 @@ def kernel_stats(launch: Launch, trips_of) -> KernelStats:
     for _, op, _ in body:
         if op.startswith(("LDG", "STG", "ATOMG", "RED")):
             widths[op] = widths.get(op, 0) + 1
-    return KernelStats(regs, stack + local, shared + launch.compiled.metadata.shared, len(body), dyn, len(loops),
-                       widths)
+    return KernelStats(regs, stack + local, shared + launch.compiled.metadata.shared, len(body), dyn,
+                       [size for _, _, size in loops], widths)
 
 
 _ACCESS = re.compile(r"(tt\.load|tt\.store|tt\.atomic_rmw|tt\.atomic_cas)\s+(?:\w+,\s*)*%([\w.]+)")
@@ -352,7 +357,7 @@ def run_path(codec_name: str, dtype: torch.dtype, arch: int, numel: int, ratio: 
             rows.append(dict(
                 codec=codec_name, dtype=str(dtype).replace("torch.", ""), arch=f"sm_{arch}", path=path,
                 kernel=launch.name, grid=programs, warps=warps, values_per_program=values / programs,
-                regs=st.regs, spill_bytes=st.spill_bytes, shared=st.shared, loops=st.loops,
+                regs=st.regs, spill_bytes=st.spill_bytes, shared=st.shared, loops=len(st.loops), loop_bodies=st.loops,
                 sass_static=st.static_instructions, sass_per_program=st.dynamic_instructions * warps,
                 instr_per_value=st.dynamic_instructions * warps * programs / values,
                 bytes_per_value=nbytes / values, access=access, mem_ops=st.ldg_widths))

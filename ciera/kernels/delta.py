@@ -39,6 +39,8 @@ from ciera.codecs.delta import DeltaLayout
 
 _TILE_VALUES = 2048
 """Values per tile (whole blocks, at least 2): 8 per thread with 8 warps."""
+_HIST_VALUES = 8192
+"""Values per ``_hist`` program (no block structure there): amortises its per-bin atomics."""
 _NUM_WARPS = 8
 _EPOCHS = 1 << 18
 """Flag words carry ``(epoch % _EPOCHS) + 1`` in bits 44..62, a 2-bit flag in 42..43 (1: the
@@ -244,7 +246,7 @@ def _decode_tiles(payload_ptr, target_ptr, counter_ptr, flags_ptr, rows_ptr, off
     T: tl.constexpr = TB * B
     epoch, row, vid = _tile_id(counter_ptr, k, n_full, n_tiles, EVEN)
     if BATCHED:
-        pbase = tl.load(offsets_ptr + row)
+        pbase = tl.multiple_of(tl.load(offsets_ptr + row), 16)  # 16-byte aligned (CONTRACT.md)
         target_ptr += tl.load(rows_ptr + row) * n
     else:
         pbase = row * 0
@@ -330,11 +332,17 @@ class _Shape:
                            UT=tl.int32 if layout.width <= 16 else tl.int64)
 
 
-@functools.lru_cache(maxsize=64)
 def _scratch(layout: DeltaLayout, device: torch.device, k: int, purpose: str) -> dict:
-    """Device scratch of one (layout, device, k, purpose), allocated once: the look-back ticket
-    counter and flag words, and for encoding the class histogram (kept all-zero between calls by
-    ``_table``) and the bytes needed."""
+    """Device scratch of one (layout, device, k, purpose) on the current stream, allocated once:
+    the look-back ticket counter and flag words, and for encoding the class histogram (kept
+    all-zero between calls by ``_table``) and the bytes needed. Per stream, because the ticket
+    order is only meaningful for launches that run one after the other."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    return _scratch_on(layout, device, k, purpose, stream)
+
+
+@functools.lru_cache(maxsize=64)
+def _scratch_on(layout: DeltaLayout, device: torch.device, k: int, purpose: str, stream) -> dict:
     sh = _Shape(layout)
     s = dict(counter=torch.zeros(1, dtype=torch.int64, device=device),
              flags=torch.zeros(max(1, k * sh.n_tiles), dtype=torch.int64, device=device))
@@ -356,12 +364,13 @@ def encode_triton(*, layout: DeltaLayout, shard_bits: torch.Tensor, state: torch
     sh = _Shape(layout)
     s = _scratch(layout, dev, 1, "encode")
     c = sh.consts
-    hc = dict(W=c["W"], MANT=c["MANT"], EXPMASK=c["EXPMASK"], KB=sh.KB, NBINS=layout.n_classes * sh.KB, T=sh.T,
-              UT=c["UT"])
-    if sh.n_full:
-        _hist[(sh.n_full,)](shard_bits, state, s["hist"], n, sh.n_full, EVEN=True, **hc, num_warps=_NUM_WARPS)
-    if sh.tail:
-        _hist[(1,)](shard_bits, state, s["hist"], n, sh.n_full, EVEN=False, **hc, num_warps=_NUM_WARPS)
+    hc = dict(W=c["W"], MANT=c["MANT"], EXPMASK=c["EXPMASK"], KB=sh.KB, NBINS=layout.n_classes * sh.KB,
+              T=_HIST_VALUES, UT=c["UT"])
+    h_full = n // _HIST_VALUES
+    if h_full:
+        _hist[(h_full,)](shard_bits, state, s["hist"], n, h_full, EVEN=True, **hc, num_warps=_NUM_WARPS)
+    if n % _HIST_VALUES:
+        _hist[(1,)](shard_bits, state, s["hist"], n, h_full, EVEN=False, **hc, num_warps=_NUM_WARPS)
     _table[(1,)](s["hist"], out, layout.off_table, NCLS=layout.n_classes, KB=sh.KB, W=layout.width,
                  E=layout.exception_bits, num_warps=_NUM_WARPS)
     args = (shard_bits, state, out, s["counter"], s["flags"], s["needed"], n, sh.n_full, sh.n_tiles,

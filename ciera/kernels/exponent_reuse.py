@@ -69,31 +69,48 @@ def _changed_flags(payload_ptr, off_bitmap, blocks, n_blocks):
 
 
 @triton.jit
+def _ld(ptr, mask, EVEN: tl.constexpr):
+    """Load; unmasked in full tiles (``EVEN``), so it vectorises whatever the shard length."""
+    if EVEN:
+        return tl.load(ptr)
+    else:
+        return tl.load(ptr, mask=mask, other=0)
+
+
+@triton.jit
+def _st(ptr, value, mask, EVEN: tl.constexpr):
+    """Store; unmasked in full tiles (``EVEN``)."""
+    if EVEN:
+        tl.store(ptr, value)
+    else:
+        tl.store(ptr, value, mask=mask)
+
+
+@triton.jit
 def _encode_fields(bits_ptr, state_ptr, out_ptr, counts_ptr, n, n_blocks, off_signmant, off_planes,
-                   plane_bytes, off_bitmap,
+                   plane_bytes, off_bitmap, tile0,
                    B: tl.constexpr, TB: tl.constexpr, BC: tl.constexpr, TOTAL_BITS: tl.constexpr,
                    EXP_BITS: tl.constexpr, MANT_BITS: tl.constexpr, SM_BYTES: tl.constexpr,
-                   N_PLANES: tl.constexpr):
-    tile = tl.program_id(0).to(tl.int64)
+                   N_PLANES: tl.constexpr, EVEN: tl.constexpr):
+    tile = tl.program_id(0).to(tl.int64) + tile0
     blocks = tile * TB + tl.arange(0, TB)                     # [TB] block ids of this tile
     cols = tl.arange(0, BC)
     changed = tl.zeros([TB], dtype=tl.int32)                  # 1 where some exponent differs
     for j in range(0, B, BC):
         offs = blocks[:, None] * B + j + cols[None, :]        # [TB, BC] value index (int64)
         inside = offs < n
-        x = tl.load(bits_ptr + offs, mask=inside, other=0).to(tl.int32)
+        x = _ld(bits_ptr + offs, inside, EVEN).to(tl.int32)
         # Fields, all masked after shifting: the sign extension of 16-bit patterns never leaks.
         exp = (x >> MANT_BITS) & ((1 << EXP_BITS) - 1)
         sm = (x & ((1 << MANT_BITS) - 1)) | (((x >> (TOTAL_BITS - 1)) & 1) << MANT_BITS)
         # Outside the shard x = 0, so sm = 0: plane padding bits come out 0, as pack_bits pads.
-        old = tl.load(state_ptr + offs, mask=inside, other=0).to(tl.int32)
+        old = _ld(state_ptr + offs, inside, EVEN).to(tl.int32)
         diff = ((exp != old) & inside).to(tl.int32)
         changed = tl.maximum(changed, tl.max(diff, axis=1))
         # Each value's state byte is read and written by this program only.
-        tl.store(state_ptr + offs, exp.to(tl.uint8), mask=inside)
+        _st(state_ptr + offs, exp.to(tl.uint8), inside, EVEN)
         for k in tl.static_range(SM_BYTES):
-            tl.store(out_ptr + off_signmant + offs * SM_BYTES + k, ((sm >> (8 * k)) & 0xFF).to(tl.uint8),
-                     mask=inside)
+            _st(out_ptr + off_signmant + offs * SM_BYTES + k, ((sm >> (8 * k)) & 0xFF).to(tl.uint8), inside, EVEN)
         if N_PLANES > 0:
             # Groups of 8 consecutive values make one plane byte: BC >= 8, or BC == B < 8 and the
             # chunk is TB * B contiguous values; either way row-major groups of 8 are consecutive.
@@ -135,7 +152,8 @@ def _row_bases(rows_ptr, offsets_ptr, n, BATCHED: tl.constexpr):
     ``rows`` / ``offsets`` in a batched decode; (0, 0) otherwise."""
     if BATCHED:
         r = tl.program_id(1)
-        return tl.load(offsets_ptr + r), tl.load(rows_ptr + r) * n
+        # Payloads start 16-byte aligned (CONTRACT.md): lets the sign|mantissa bytes vectorise.
+        return tl.multiple_of(tl.load(offsets_ptr + r), 16), tl.load(rows_ptr + r) * n
     else:
         return tl.zeros([], tl.int64), tl.zeros([], tl.int64)
 
@@ -152,11 +170,11 @@ def _count_changed(payload_ptr, counts_ptr, rows_ptr, offsets_ptr, n, n_blocks, 
 
 @triton.jit
 def _decode_values(payload_ptr, target_ptr, first_ptr, rows_ptr, offsets_ptr, n, n_blocks, n_tiles, capacity,
-                   off_signmant, off_planes, plane_bytes, off_bitmap, off_exps,
+                   off_signmant, off_planes, plane_bytes, off_bitmap, off_exps, tile0,
                    B: tl.constexpr, TB: tl.constexpr, BC: tl.constexpr, TOTAL_BITS: tl.constexpr,
                    EXP_BITS: tl.constexpr, MANT_BITS: tl.constexpr, SM_BYTES: tl.constexpr,
-                   N_PLANES: tl.constexpr, BATCHED: tl.constexpr):
-    tile = tl.program_id(0).to(tl.int64)
+                   N_PLANES: tl.constexpr, BATCHED: tl.constexpr, EVEN: tl.constexpr):
+    tile = tl.program_id(0).to(tl.int64) + tile0
     pbase, tbase = _row_bases(rows_ptr, offsets_ptr, n, BATCHED)
     payload_ptr += pbase
     target_ptr += tbase
@@ -174,12 +192,12 @@ def _decode_values(payload_ptr, target_ptr, first_ptr, rows_ptr, offsets_ptr, n,
         inside = offs < n
         sm = tl.zeros([TB, BC], dtype=tl.int32)
         for k in tl.static_range(SM_BYTES):
-            byte = tl.load(payload_ptr + off_signmant + offs * SM_BYTES + k, mask=inside, other=0)
+            byte = _ld(payload_ptr + off_signmant + offs * SM_BYTES + k, inside, EVEN)
             sm = sm | (byte.to(tl.int32) << (8 * k))
         for p in tl.static_range(N_PLANES):
-            byte = tl.load(payload_ptr + off_planes + p * plane_bytes + offs // 8, mask=inside, other=0)
+            byte = _ld(payload_ptr + off_planes + p * plane_bytes + offs // 8, inside, EVEN)
             sm = sm | (((byte.to(tl.int32) >> (offs % 8).to(tl.int32)) & 1) << (8 * SM_BYTES + p))
-        old = tl.load(target_ptr + offs, mask=inside, other=0).to(tl.int32)
+        old = _ld(target_ptr + offs, inside, EVEN).to(tl.int32)
         exp_old = (old >> MANT_BITS) & ((1 << EXP_BITS) - 1)
         # A valid (non-overflowed) payload holds every changed block's slot; the capacity bound
         # only keeps a corrupt one from reading past the payload.
@@ -188,7 +206,7 @@ def _decode_values(payload_ptr, target_ptr, first_ptr, rows_ptr, offsets_ptr, n,
         exp = tl.where(sent, exp_new, exp_old)
         # sign << (TOTAL_BITS - 1) wraps into bit 31 for fp32; the int16 store keeps the low 16 bits.
         val = (((sm >> MANT_BITS) & 1) << (TOTAL_BITS - 1)) | (exp << MANT_BITS) | (sm & ((1 << MANT_BITS) - 1))
-        tl.store(target_ptr + offs, val.to(target_ptr.dtype.element_ty), mask=inside)
+        _st(target_ptr + offs, val.to(target_ptr.dtype.element_ty), inside, EVEN)
 
 
 
@@ -197,6 +215,14 @@ def _fmt_args(layout: ExponentReuseLayout) -> dict:
     fmt = layout.fmt
     return dict(TOTAL_BITS=fmt.total_bits, EXP_BITS=fmt.exp_bits, MANT_BITS=fmt.mant_bits,
                 SM_BYTES=layout.sm_bytes, N_PLANES=layout.n_planes)
+
+
+def _splits(n: int, tile_len: int, n_tiles: int, k: int | None = None):
+    """(grid, first tile, EVEN) of the launches over a shard: full tiles unmasked, then the
+    partial last tile (if any) masked. ``k``: rows of a batched decode (grid axis 1)."""
+    full = n // tile_len
+    parts = [(full, 0, True), (n_tiles - full, full, False)]
+    return [((count,) if k is None else (count, k), tile0, even) for count, tile0, even in parts if count]
 
 
 def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
@@ -217,9 +243,10 @@ def _encode(*, layout: ExponentReuseLayout, shard_bits: torch.Tensor, state: tor
     tb, bc = _tile_shape(B, tile_values)
     n_tiles = -(-nb // tb)
     counts = torch.empty(n_tiles, dtype=torch.int32, device=out.device)
-    _encode_fields[(n_tiles,)](
-        shard_bits, state, out, counts, n, nb, layout.off_signmant, layout.off_planes, layout.plane_bytes,
-        layout.off_bitmap, B=B, TB=tb, BC=bc, **_fmt_args(layout), num_warps=_NUM_WARPS)
+    for grid, tile0, even in _splits(n, tb * B, n_tiles):
+        _encode_fields[grid](
+            shard_bits, state, out, counts, n, nb, layout.off_signmant, layout.off_planes, layout.plane_bytes,
+            layout.off_bitmap, tile0, B=B, TB=tb, BC=bc, **_fmt_args(layout), EVEN=even, num_warps=_NUM_WARPS)
     slots = layout.slots(out.numel())
     if slots > 0:
         first = _exclusive_cumsum(counts)
@@ -242,10 +269,11 @@ def _decode(*, layout: ExponentReuseLayout, payload: torch.Tensor, target_bits: 
     counts = torch.empty(n_tiles, dtype=torch.int32, device=payload.device)
     _count_changed[(n_tiles,)](payload, counts, counts, counts, n, nb, n_tiles, layout.off_bitmap, TB=tb, BATCHED=False)
     first = _exclusive_cumsum(counts)
-    _decode_values[(n_tiles,)](
-        payload, target_bits, first, first, first, n, nb, n_tiles, payload.numel(), layout.off_signmant,
-        layout.off_planes, layout.plane_bytes, layout.off_bitmap, layout.off_exps, B=B, TB=tb, BC=bc,
-        **_fmt_args(layout), BATCHED=False, num_warps=_NUM_WARPS)
+    for grid, tile0, even in _splits(n, tb * B, n_tiles):
+        _decode_values[grid](
+            payload, target_bits, first, first, first, n, nb, n_tiles, payload.numel(), layout.off_signmant,
+            layout.off_planes, layout.plane_bytes, layout.off_bitmap, layout.off_exps, tile0, B=B, TB=tb, BC=bc,
+            **_fmt_args(layout), BATCHED=False, EVEN=even, num_warps=_NUM_WARPS)
 
 
 @functools.lru_cache(maxsize=64)
@@ -274,10 +302,11 @@ def _decode_many(*, layout: ExponentReuseLayout, payloads: torch.Tensor, rows: t
                                  BATCHED=True)
     torch.cumsum(counts, 1, dtype=torch.int64, out=first)
     first -= counts
-    _decode_values[(n_tiles, k)](
-        payloads, targets_bits, first, rows, offsets, n, nb, n_tiles, 0, layout.off_signmant,
-        layout.off_planes, layout.plane_bytes, layout.off_bitmap, layout.off_exps, B=B, TB=tb, BC=bc,
-        **_fmt_args(layout), BATCHED=True, num_warps=_NUM_WARPS)
+    for grid, tile0, even in _splits(n, tb * B, n_tiles, k):
+        _decode_values[grid](
+            payloads, targets_bits, first, rows, offsets, n, nb, n_tiles, 0, layout.off_signmant,
+            layout.off_planes, layout.plane_bytes, layout.off_bitmap, layout.off_exps, tile0, B=B, TB=tb, BC=bc,
+            **_fmt_args(layout), BATCHED=True, EVEN=even, num_warps=_NUM_WARPS)
 
 
 def encode_triton(*, layout: ExponentReuseLayout, shard_bits: torch.Tensor, state: torch.Tensor,

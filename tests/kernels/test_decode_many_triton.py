@@ -74,3 +74,46 @@ def test_decode_many_matches_reference(codec_cls, kw, dtype):
     for r in rows:
         assert torch.equal(targets[r].cpu(), as_bits(new[r]))
     assert torch.equal(targets[1].cpu(), as_bits(prev[1]))  # a row not listed is untouched
+
+
+class _CountingLaunches:
+    """Wraps a Triton kernel: records every ``kernel[grid]`` launch."""
+
+    def __init__(self, kernel, log):
+        self.kernel, self.log = kernel, log
+
+    def __getitem__(self, grid):
+        self.log.append(grid)
+        return self.kernel[grid]
+
+    def __call__(self, *args, **kwargs):  # a @triton.jit helper called from inside a kernel
+        return self.kernel(*args, **kwargs)
+
+
+@pytest.mark.parametrize("codec_cls", [DeltaCodec, ExponentReuseCodec], ids=["delta", "exponent_reuse"])
+def test_decode_many_launches_do_not_grow_with_rows_and_never_read_the_host(codec_cls, monkeypatch):
+    from triton.runtime.interpreter import InterpretedFunction
+
+    n, world = 200, 4
+    K = _kernels(codec_cls.kernels)
+    codec = codec_cls(dtype=torch.bfloat16, numel=n, backend="torch")
+    cap = codec.clamp_capacity(codec.max_bytes)
+    x = AdamTrajectory(numel=n, dtype=torch.bfloat16, lr=1e-4, seed=1).step()
+    flat = torch.zeros(world * cap, dtype=torch.uint8)
+    for r in range(world):
+        codec.encode(shard=x, state=codec.new_state(shard=x), out=flat[r * cap:(r + 1) * cap])
+    log: list = []
+    for name in dir(K):
+        if isinstance(getattr(K, name), (InterpretedFunction, triton.runtime.JITFunction)):
+            monkeypatch.setattr(K, name, _CountingLaunches(getattr(K, name), log))
+    for forbidden in ("item", "tolist", "__bool__", "__int__", "cpu"):
+        monkeypatch.setattr(torch.Tensor, forbidden, lambda *a, _f=forbidden, **k: pytest.fail(f"host read: {_f}"))
+    counts = []
+    for k in (1, world):
+        targets = as_bits(x.repeat(world, 1).to(DEV))
+        log.clear()
+        K.decode_many_triton(layout=codec.layout, payloads=flat.to(DEV), rows=torch.arange(k, device=DEV),
+                             offsets=torch.arange(k, device=DEV) * cap, targets_bits=targets)
+        counts.append(len(log))
+    monkeypatch.undo()
+    assert counts[0] == counts[1] and 1 <= counts[0] <= 3, counts

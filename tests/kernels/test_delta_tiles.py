@@ -35,7 +35,7 @@ def K():
             pytest.skip("triton was imported without TRITON_INTERPRET")
         mod = importlib.reload(mod)
     yield mod
-    mod._scratch.cache_clear()
+    mod._scratch_on.cache_clear()
 
 
 def _check(K, codec, prev, new, capacity):
@@ -57,11 +57,15 @@ def _check(K, codec, prev, new, capacity):
     return needs[0], outs[0]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("n,block,tile", [(1000, 8, 64), (1100, 64, 128), (1024, 128, 256)])
+@pytest.mark.parametrize("dtype,n,block,tile", [
+    (torch.bfloat16, 1000, 8, 64),     # 15 full tiles of 8 blocks and a partial one
+    (torch.float16, 1100, 64, 128),    # 2-block tiles, partial last block
+    (torch.float32, 1024, 128, 256),   # full tiles only (no second launch), 32-bit words
+    (torch.bfloat16, 777, 128, 256),   # one partial block, default block size
+])
 def test_tiles_match_reference(K, monkeypatch, dtype, n, block, tile):
     monkeypatch.setattr(K, "_TILE_VALUES", tile)
-    K._scratch.cache_clear()
+    K._scratch_on.cache_clear()
     gen = torch.Generator().manual_seed(n + block)
     codec = DeltaCodec(dtype=dtype, numel=n, block_size=block)
     tr = AdamTrajectory(numel=n, dtype=dtype, lr=3e-4, seed=block)
