@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import subprocess
@@ -117,10 +118,13 @@ def _recollect(module, prefix):
     """Test functions of ``module`` under new names in this module, with the comparing fixture."""
     for name, fn in list(vars(module).items()):
         if name.startswith("test_") and callable(fn) and "triton" not in name:
-            marked = pytest.mark.usefixtures("compare_all_implementations")(fn)
+            wrapper = functools.wraps(fn)(lambda *a, __fn=fn, **kw: __fn(*a, **kw))
+            # A copy of the marks (parametrize...): the original function must stay as it was.
+            wrapper.pytestmark = list(getattr(fn, "pytestmark", []))
+            wrapper = pytest.mark.usefixtures("compare_all_implementations")(wrapper)
             if name in _SLOW_WHEN_COMPARED:
-                marked = pytest.mark.slow(marked)
-            globals()[f"test_all_impls_{prefix}_{name[5:]}"] = marked
+                wrapper = pytest.mark.slow(wrapper)
+            globals()[f"test_all_impls_{prefix}_{name[5:]}"] = wrapper
 
 
 _recollect(test_codecs_common, "common")
