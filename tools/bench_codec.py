@@ -198,6 +198,14 @@ def main(argv=None) -> int:
     if missing:
         print(f"# peers skipped (not installed: {', '.join(missing)}): pip install -e '.[peers]'")
     rows = []
+
+    class _Rows(list):
+        def append(self, row):  # progress on stderr: a full run takes minutes
+            super().append(row)
+            print(f"# done: lr {row['lr']:g} {row['codec']} {row['impl']} x{row['threads']} "
+                  f"({len(self)} rows, {time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
+
+    rows, t_start = _Rows(), time.perf_counter()
     for lr in args.lr:
         snaps = make_snapshots(numel=args.numel, dtype=dtype, lr=lr, warmup=args.warmup,
                                steps=args.steps, device=device)
