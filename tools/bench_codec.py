@@ -45,12 +45,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _timed(fn, device):
+def _timed(fn, device, clock=time.perf_counter):
     _sync(device)
-    t0 = time.perf_counter()
+    t0 = clock()
     fn()
     _sync(device)
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
 def make_snapshots(*, numel, dtype, lr, warmup, steps, device, seed=0):
@@ -64,12 +64,12 @@ def make_snapshots(*, numel, dtype, lr, warmup, steps, device, seed=0):
     return snaps
 
 
-def _best(fn, setup, repeats, device):
+def _best(fn, setup, repeats, device, clock=time.perf_counter):
     """Best time of ``repeats`` runs of ``fn``, each after an untimed ``setup``."""
     best = float("inf")
     for _ in range(repeats):
         setup()
-        best = min(best, _timed(fn, device))
+        best = min(best, _timed(fn, device, clock))
     return best
 
 
@@ -84,7 +84,8 @@ def _row(*, name, impl, threads, block, raw, needed, enc, dec, clone):
     }
 
 
-def bench_one(*, name, snaps, block_size, backend, device, repeats=1, threads=None, impl=None):
+def bench_one(*, name, snaps, block_size, backend, device, repeats=1, threads=None, impl=None,
+              clock=time.perf_counter):
     """Encode/decode every consecutive pair; returns a row of figures. ``threads``: torch's (and the
     native codecs') thread count while the codec runs; clone() always runs at one thread."""
     dtype, numel = snaps[0].dtype, snaps[0].numel()
@@ -96,13 +97,13 @@ def bench_one(*, name, snaps, block_size, backend, device, repeats=1, threads=No
     for prev, new in zip(snaps, snaps[1:]):
         target = prev.clone()
         torch.set_num_threads(1)
-        clone.append(_best(lambda: new.clone(), lambda: None, repeats, device))
+        clone.append(_best(lambda: new.clone(), lambda: None, repeats, device, clock))
         torch.set_num_threads(threads or before)
         enc.append(_best(lambda: codec.encode(shard=new, state=state, out=out),
-                         lambda: codec.reset_state(state=state, shard=prev), repeats, device))
+                         lambda: codec.reset_state(state=state, shard=prev), repeats, device, clock))
         header = out[:HEADER_BYTES].view(torch.int64).tolist()
         needed.append(header[2])
-        dec.append(_best(lambda: codec.decode(payload=out, target=target), lambda: target.copy_(prev), repeats, device))
+        dec.append(_best(lambda: codec.decode(payload=out, target=target), lambda: target.copy_(prev), repeats, device, clock))
         torch.set_num_threads(before)
         if not torch.equal(as_bits(target), as_bits(new)):
             raise AssertionError(f"{name}: decode is not bit-exact")
@@ -132,7 +133,7 @@ def peer_compressors():
     return peers, missing
 
 
-def bench_peer(*, name, compress, decompress, snaps, xor, repeats, device):
+def bench_peer(*, name, compress, decompress, snaps, xor, repeats, device, clock=time.perf_counter):
     """One thread. ``xor``: compress ``new ^ previous`` (the XOR and its inverse are timed with the
     compressor); else the raw values. Turning tensors into the bytearray a peer takes is not timed
     (ZipNN reorders its input in place, so every run gets a fresh copy)."""
@@ -143,20 +144,20 @@ def bench_peer(*, name, compress, decompress, snaps, xor, repeats, device):
         for prev, new in zip(snaps, snaps[1:]):
             pb, nb = as_bits(prev), as_bits(new)
             data_t = torch.bitwise_xor(nb, pb) if xor else nb
-            x_s = _best(lambda: torch.bitwise_xor(nb, pb), lambda: None, repeats, device) if xor else 0.0
+            x_s = _best(lambda: torch.bitwise_xor(nb, pb), lambda: None, repeats, device, clock) if xor else 0.0
             data = bytes(data_t.view(torch.uint8).numpy())
             box = {}
             c_s = _best(lambda: box.__setitem__("c", compress(box["in"])),
-                        lambda: box.__setitem__("in", bytearray(data)), repeats, device)
-            d_s = _best(lambda: box.__setitem__("d", decompress(box["c"])), lambda: None, repeats, device)
+                        lambda: box.__setitem__("in", bytearray(data)), repeats, device, clock)
+            d_s = _best(lambda: box.__setitem__("d", decompress(box["c"])), lambda: None, repeats, device, clock)
             got = torch.frombuffer(bytearray(box["d"]), dtype=nb.dtype)
-            u_s = _best(lambda: torch.bitwise_xor(got, pb), lambda: None, repeats, device) if xor else 0.0
+            u_s = _best(lambda: torch.bitwise_xor(got, pb), lambda: None, repeats, device, clock) if xor else 0.0
             if not torch.equal(torch.bitwise_xor(got, pb) if xor else got, nb):
                 raise AssertionError(f"{name}: round trip is not bit-exact")
             enc.append(x_s + c_s)
             dec.append(d_s + u_s)
             needed.append(len(box["c"]))
-            clone.append(_best(lambda: new.clone(), lambda: None, repeats, device))
+            clone.append(_best(lambda: new.clone(), lambda: None, repeats, device, clock))
     finally:
         torch.set_num_threads(before)
     return _row(name=name + (" (xor prev)" if xor else ""), impl="peer", threads=1, block="-",
@@ -176,6 +177,9 @@ def main(argv=None) -> int:
                    help="CPU: reference vs native at 1 and 2 threads, and the peers (default on CPU)")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="native thread counts (--compare)")
     p.add_argument("--repeats", type=int, default=5, help="runs per measurement; the best counts")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="cpu: the calling thread's CPU time (a shared machine's fair figure for one thread; "
+                        "rows with more threads are then skipped: their speed-up needs wall time)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--sweep-block", action="store_true", help="exponent_reuse wire ratio vs block size")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: checks the benchmark runs")
@@ -185,6 +189,12 @@ def main(argv=None) -> int:
         args.numel, args.warmup, args.steps, args.lr, args.repeats = 4099, 3, 2, args.lr[:1], 1
     device = torch.device(args.device)
     compare = (device.type == "cpu") if args.compare is None else args.compare
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    if args.clock == "cpu":
+        if device.type != "cpu":
+            p.error("--clock cpu times CPU work only")
+        args.threads = [k for k in args.threads if k == 1]
+        torch.set_num_threads(1)
     dtype = DTYPES[args.dtype]
     codecs = args.codecs or available_codecs()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -193,7 +203,7 @@ def main(argv=None) -> int:
                else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                     f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(f"# bench_codec: {args.numel} {args.dtype} values/shard, warmup {args.warmup}, "
-          f"{args.steps} steps, best of {args.repeats}, device {device} ({machine}), torch {torch.__version__}")
+          f"{args.steps} steps, best of {args.repeats}, {args.clock} clock, device {device} ({machine}), torch {torch.__version__}")
     peers, missing = peer_compressors() if compare and not args.sweep_block else ([], [])
     if missing:
         print(f"# peers skipped (not installed: {', '.join(missing)}): pip install -e '.[peers]'")
@@ -217,21 +227,23 @@ def main(argv=None) -> int:
         for name in codecs:
             if not compare or name == "raw":
                 rows.append({"lr": lr, **bench_one(name=name, snaps=snaps, block_size=None, backend=args.backend,
-                                                   device=device, repeats=args.repeats)})
+                                                   device=device, repeats=args.repeats, clock=clock)})
                 continue
             rows.append({"lr": lr, **bench_one(name=name, snaps=snaps, block_size=None, backend="torch",
-                                               device=device, repeats=args.repeats, threads=1, impl="reference")})
+                                               device=device, repeats=args.repeats, threads=1, impl="reference",
+                                               clock=clock)})
             if not native_available():
                 print(f"# native rows skipped: {native_reason()}")
                 continue
             for k in args.threads:
                 rows.append({"lr": lr, **bench_one(name=name, snaps=snaps, block_size=None, backend="native",
                                                    device=device, repeats=args.repeats, threads=k,
-                                                   impl="native")})
+                                                   impl="native", clock=clock)})
         for pname, compress, decompress in peers:
             for xor in (False, True):
                 rows.append({"lr": lr, **bench_peer(name=pname, compress=compress, decompress=decompress,
-                                                    snaps=snaps, xor=xor, repeats=args.repeats, device=device)})
+                                                    snaps=snaps, xor=xor, repeats=args.repeats, device=device,
+                                                    clock=clock)})
 
     header = ("| lr | codec | impl | threads | block | wire/raw | ratio | encode GB/s | decode GB/s "
               "| enc+dec GB/s | clone GB/s | encode vs clone | decode vs clone |")
