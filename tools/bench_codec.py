@@ -7,6 +7,12 @@ and learning rate this prints: wire/raw (bytes the payload needs over the shard'
 compression ratio, and encode/decode throughput in raw GB/s and as a ratio to ``clone()`` of the
 same shard, timed in the same loop. Every decode is checked bit for bit.
 
+On CPU (``--compare``, the default there) every codec runs as the pure-torch reference and as the
+native C twin at 1 and 2 threads, next to the lossless compressors a user would pick instead --
+ZipNN and zstd-3 on the raw values and on the XOR with the previous values (optional rows: ``pip
+install -e '.[peers]'``; skipped with a note where absent). Each time is the best of ``--repeats``
+runs (the machine may be shared), the median over the measured steps; clone() runs at one thread.
+
     python tools/bench_codec.py                       # 4M bf16 values, lr 1e-4 and 3e-4
     python tools/bench_codec.py --sweep-block         # exponent_reuse ratio vs block size
     python tools/bench_codec.py --device cuda         # Triton kernels on a GPU
@@ -15,6 +21,7 @@ same shard, timed in the same loop. Every decode is checked bit for bit.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import sys
@@ -26,6 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ciera.codecs import HEADER_BYTES, as_bits, available_codecs, make_codec  # noqa: E402
+from ciera.native import available as native_available  # noqa: E402
+from ciera.native import unavailable_reason as native_reason  # noqa: E402
 from ciera.trajectory import AdamTrajectory  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -36,12 +45,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _timed(fn, device):
+def _timed(fn, device, clock=time.perf_counter):
     _sync(device)
-    t0 = time.perf_counter()
+    t0 = clock()
     fn()
     _sync(device)
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
 def make_snapshots(*, numel, dtype, lr, warmup, steps, device, seed=0):
@@ -55,31 +64,104 @@ def make_snapshots(*, numel, dtype, lr, warmup, steps, device, seed=0):
     return snaps
 
 
-def bench_one(*, name, snaps, block_size, backend, device):
-    """Encode/decode every consecutive pair; returns a row of figures."""
+def _best(fn, setup, repeats, device, clock=time.perf_counter):
+    """Best time of ``repeats`` runs of ``fn``, each after an untimed ``setup``."""
+    best = float("inf")
+    for _ in range(repeats):
+        setup()
+        best = min(best, _timed(fn, device, clock))
+    return best
+
+
+def _row(*, name, impl, threads, block, raw, needed, enc, dec, clone):
+    med = statistics.median
+    wire = statistics.mean(needed) / raw
+    e, d, c = med(enc), med(dec), med(clone)
+    return {
+        "codec": name, "impl": impl, "threads": threads, "block": block, "wire_over_raw": wire, "ratio": 1 / wire,
+        "encode_GBps": raw / e / 1e9, "decode_GBps": raw / d / 1e9, "both_GBps": raw / (e + d) / 1e9,
+        "clone_GBps": raw / c / 1e9, "encode_vs_clone": c / e, "decode_vs_clone": c / d,
+    }
+
+
+def bench_one(*, name, snaps, block_size, backend, device, repeats=1, threads=None, impl=None,
+              clock=time.perf_counter):
+    """Encode/decode every consecutive pair; returns a row of figures. ``threads``: torch's (and the
+    native codecs') thread count while the codec runs; clone() always runs at one thread."""
     dtype, numel = snaps[0].dtype, snaps[0].numel()
     codec = make_codec(name, dtype=dtype, numel=numel, block_size=block_size, backend=backend)
     state = codec.new_state(shard=snaps[0])
     out = torch.empty(codec.clamp_capacity(codec.max_bytes), dtype=torch.uint8, device=device)
     enc, dec, clone, needed = [], [], [], []
+    before = torch.get_num_threads()
     for prev, new in zip(snaps, snaps[1:]):
         target = prev.clone()
-        clone.append(_timed(lambda: new.clone(), device))
-        enc.append(_timed(lambda: codec.encode(shard=new, state=state, out=out), device))
+        torch.set_num_threads(1)
+        clone.append(_best(lambda: new.clone(), lambda: None, repeats, device, clock))
+        torch.set_num_threads(threads or before)
+        enc.append(_best(lambda: codec.encode(shard=new, state=state, out=out),
+                         lambda: codec.reset_state(state=state, shard=prev), repeats, device, clock))
         header = out[:HEADER_BYTES].view(torch.int64).tolist()
         needed.append(header[2])
-        dec.append(_timed(lambda: codec.decode(payload=out, target=target), device))
+        dec.append(_best(lambda: codec.decode(payload=out, target=target), lambda: target.copy_(prev), repeats, device, clock))
+        torch.set_num_threads(before)
         if not torch.equal(as_bits(target), as_bits(new)):
             raise AssertionError(f"{name}: decode is not bit-exact")
-    raw = codec.raw_bytes
-    med = statistics.median
-    wire = statistics.mean(needed) / raw
-    return {
-        "codec": name, "block": getattr(codec, "block_size", "-"), "wire_over_raw": wire, "ratio": 1 / wire,
-        "encode_GBps": raw / med(enc) / 1e9, "decode_GBps": raw / med(dec) / 1e9,
-        "clone_GBps": raw / med(clone) / 1e9,
-        "encode_vs_clone": med(clone) / med(enc), "decode_vs_clone": med(clone) / med(dec),
-    }
+        codec.reset_state(state=state, shard=new)
+    return _row(name=name, impl=impl or backend, threads=threads or before, block=getattr(codec, "block_size", "-"),
+                raw=codec.raw_bytes, needed=needed, enc=enc, dec=dec, clone=clone)
+
+
+# -- peers: what a user would otherwise run on the same data -------------------------------------
+def peer_compressors():
+    """(name, compress(bytearray) -> bytes, decompress(bytes) -> buffer) of the peers installed."""
+    peers, missing = [], []
+    try:
+        import zipnn
+
+        z = zipnn.ZipNN(input_format="byte", bytearray_dtype="bfloat16", threads=1)
+        peers.append(("zipnn", z.compress, z.decompress))
+    except ImportError:
+        missing.append("zipnn")
+    try:
+        import zstandard
+
+        zc, zd = zstandard.ZstdCompressor(level=3, threads=0), zstandard.ZstdDecompressor()
+        peers.append(("zstd-3", zc.compress, zd.decompress))
+    except ImportError:
+        missing.append("zstandard")
+    return peers, missing
+
+
+def bench_peer(*, name, compress, decompress, snaps, xor, repeats, device, clock=time.perf_counter):
+    """One thread. ``xor``: compress ``new ^ previous`` (the XOR and its inverse are timed with the
+    compressor); else the raw values. Turning tensors into the bytearray a peer takes is not timed
+    (ZipNN reorders its input in place, so every run gets a fresh copy)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    enc, dec, clone, needed = [], [], [], []
+    try:
+        for prev, new in zip(snaps, snaps[1:]):
+            pb, nb = as_bits(prev), as_bits(new)
+            data_t = torch.bitwise_xor(nb, pb) if xor else nb
+            x_s = _best(lambda: torch.bitwise_xor(nb, pb), lambda: None, repeats, device, clock) if xor else 0.0
+            data = bytes(data_t.view(torch.uint8).numpy())
+            box = {}
+            c_s = _best(lambda: box.__setitem__("c", compress(box["in"])),
+                        lambda: box.__setitem__("in", bytearray(data)), repeats, device, clock)
+            d_s = _best(lambda: box.__setitem__("d", decompress(box["c"])), lambda: None, repeats, device, clock)
+            got = torch.frombuffer(bytearray(box["d"]), dtype=nb.dtype)
+            u_s = _best(lambda: torch.bitwise_xor(got, pb), lambda: None, repeats, device, clock) if xor else 0.0
+            if not torch.equal(torch.bitwise_xor(got, pb) if xor else got, nb):
+                raise AssertionError(f"{name}: round trip is not bit-exact")
+            enc.append(x_s + c_s)
+            dec.append(d_s + u_s)
+            needed.append(len(box["c"]))
+            clone.append(_best(lambda: new.clone(), lambda: None, repeats, device, clock))
+    finally:
+        torch.set_num_threads(before)
+    return _row(name=name + (" (xor prev)" if xor else ""), impl="peer", threads=1, block="-",
+                raw=nb.numel() * nb.element_size(), needed=needed, enc=enc, dec=dec, clone=clone)
 
 
 def main(argv=None) -> int:
@@ -90,44 +172,87 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=30, help="AdamW steps before measuring")
     p.add_argument("--steps", type=int, default=8, help="measured encode/decode pairs")
     p.add_argument("--codecs", nargs="+", default=None, help="default: every registered codec")
-    p.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto")
+    p.add_argument("--backend", choices=["auto", "torch", "triton", "native"], default="auto")
+    p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
+                   help="CPU: reference vs native at 1 and 2 threads, and the peers (default on CPU)")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="native thread counts (--compare)")
+    p.add_argument("--repeats", type=int, default=5, help="runs per measurement; the best counts")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="cpu: the calling thread's CPU time (a shared machine's fair figure for one thread; "
+                        "rows with more threads are then skipped: their speed-up needs wall time)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--sweep-block", action="store_true", help="exponent_reuse wire ratio vs block size")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: checks the benchmark runs")
     p.add_argument("--out-md", type=Path, default=None, help="also write the table as markdown")
     args = p.parse_args(argv)
     if args.smoke:
-        args.numel, args.warmup, args.steps, args.lr = 4099, 3, 2, args.lr[:1]
+        args.numel, args.warmup, args.steps, args.lr, args.repeats = 4099, 3, 2, args.lr[:1], 1
     device = torch.device(args.device)
+    compare = (device.type == "cpu") if args.compare is None else args.compare
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    if args.clock == "cpu":
+        if device.type != "cpu":
+            p.error("--clock cpu times CPU work only")
+        args.threads = [k for k in args.threads if k == 1]
+        torch.set_num_threads(1)
     dtype = DTYPES[args.dtype]
     codecs = args.codecs or available_codecs()
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
     machine = (torch.cuda.get_device_name() if device.type == "cuda"
-               else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
+               else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                    f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(f"# bench_codec: {args.numel} {args.dtype} values/shard, warmup {args.warmup}, "
-          f"{args.steps} steps, device {device} ({machine}), torch {torch.__version__}")
+          f"{args.steps} steps, best of {args.repeats}, {args.clock} clock, device {device} ({machine}), torch {torch.__version__}")
+    peers, missing = peer_compressors() if compare and not args.sweep_block else ([], [])
+    if missing:
+        print(f"# peers skipped (not installed: {', '.join(missing)}): pip install -e '.[peers]'")
     rows = []
+
+    class _Rows(list):
+        def append(self, row):  # progress on stderr: a full run takes minutes
+            super().append(row)
+            print(f"# done: lr {row['lr']:g} {row['codec']} {row['impl']} x{row['threads']} "
+                  f"({len(self)} rows, {time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
+
+    rows, t_start = _Rows(), time.perf_counter()
     for lr in args.lr:
         snaps = make_snapshots(numel=args.numel, dtype=dtype, lr=lr, warmup=args.warmup,
                                steps=args.steps, device=device)
         if args.sweep_block:
             for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
-                rows.append({"lr": lr, **bench_one(name="exponent_reuse", snaps=snaps, block_size=b,
+                rows.append({"lr": lr, **bench_one(name="exponent_reuse", snaps=snaps, block_size=b, repeats=args.repeats,
                                                    backend=args.backend, device=device)})
             continue
         for name in codecs:
-            rows.append({"lr": lr, **bench_one(name=name, snaps=snaps, block_size=None,
-                                               backend=args.backend, device=device)})
+            if not compare or name == "raw":
+                rows.append({"lr": lr, **bench_one(name=name, snaps=snaps, block_size=None, backend=args.backend,
+                                                   device=device, repeats=args.repeats, clock=clock)})
+                continue
+            rows.append({"lr": lr, **bench_one(name=name, snaps=snaps, block_size=None, backend="torch",
+                                               device=device, repeats=args.repeats, threads=1, impl="reference",
+                                               clock=clock)})
+            if not native_available():
+                print(f"# native rows skipped: {native_reason()}")
+                continue
+            for k in args.threads:
+                rows.append({"lr": lr, **bench_one(name=name, snaps=snaps, block_size=None, backend="native",
+                                                   device=device, repeats=args.repeats, threads=k,
+                                                   impl="native", clock=clock)})
+        for pname, compress, decompress in peers:
+            for xor in (False, True):
+                rows.append({"lr": lr, **bench_peer(name=pname, compress=compress, decompress=decompress,
+                                                    snaps=snaps, xor=xor, repeats=args.repeats, device=device,
+                                                    clock=clock)})
 
-    header = ("| lr | codec | block | wire/raw | ratio | encode GB/s | decode GB/s | clone GB/s "
-              "| encode vs clone | decode vs clone |")
-    lines = [header, "|" + "---|" * 10]
+    header = ("| lr | codec | impl | threads | block | wire/raw | ratio | encode GB/s | decode GB/s "
+              "| enc+dec GB/s | clone GB/s | encode vs clone | decode vs clone |")
+    lines = [header, "|" + "---|" * 13]
     for r in rows:
         lines.append(
-            f"| {r['lr']:g} | {r['codec']} | {r['block']} | {r['wire_over_raw']:.3f} | {r['ratio']:.2f}x "
-            f"| {r['encode_GBps']:.2f} | {r['decode_GBps']:.2f} | {r['clone_GBps']:.2f} "
-            f"| {r['encode_vs_clone']:.3f} | {r['decode_vs_clone']:.3f} |"
+            f"| {r['lr']:g} | {r['codec']} | {r['impl']} | {r['threads']} | {r['block']} | {r['wire_over_raw']:.3f} "
+            f"| {r['ratio']:.2f}x | {r['encode_GBps']:.2f} | {r['decode_GBps']:.2f} | {r['both_GBps']:.2f} "
+            f"| {r['clone_GBps']:.2f} | {r['encode_vs_clone']:.3f} | {r['decode_vs_clone']:.3f} |"
         )
     table = "\n".join(lines)
     print(table)

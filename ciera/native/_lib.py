@@ -54,10 +54,10 @@ def _candidates() -> list[Path]:
 
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str]:
-    if os.environ.get("CIERA_NATIVE", "1") == "0":
-        return None, "disabled by CIERA_NATIVE=0"
     path = next((p for p in _candidates() if p.exists()), None)
-    if path is None:
+    if os.environ.get("CIERA_NATIVE", "1") == "0":
+        reason = "disabled by CIERA_NATIVE=0"
+    elif path is None:
         reason = (f"not built (no _ciera_codecs library in {_HERE}; reinstall with a C compiler: "
                   "`pip install -e .` or `make setup`)")
     else:

@@ -21,6 +21,8 @@ def test_bench_codec_smoke(capsys):
     assert load("bench_codec").main(["--smoke"]) == 0
     out = capsys.readouterr().out
     assert "| exponent_reuse |" in out and "| raw |" in out
+    # CPU: reference and native side by side (peers are optional rows)
+    assert "| delta | reference | 1 |" in out and "| delta | native | 2 |" in out
 
 
 def test_bench_codec_block_sweep_smoke(capsys):

@@ -1,0 +1,364 @@
+"""Native CPU codecs == the pure-torch references (== the Triton twins), byte for byte, bit for bit.
+
+1. **Every existing codec test, re-run comparing implementations.** The test functions of
+   ``test_codecs_common``, ``test_delta`` and ``test_exponent_reuse`` are collected again here
+   (``test_all_impls_<module>_<name>``, parametrisations and hypothesis included) with
+   ``Codec._impl`` replaced, for ``backend='auto'``, by a runner that calls the reference, the
+   native twin and (with ``--runslow``, under the Triton interpreter) the Triton twin on copies of
+   the same inputs, asserts identical ``needed``, payload bytes (the whole buffer: the twins write
+   exactly what the reference writes), sender state and decoded bits, and hands the reference's
+   results back to the test. Nothing is copied from those modules: a new case there is a new case
+   here.
+2. ``decode_many_native`` against a loop of ``decode_reference`` over rows.
+3. What only the native code has: thread-count independence, memory safety on corrupt payloads,
+   dispatch and the logged fall-back.
+4. The cost model's CPU decision with measured native speeds.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import test_codecs_common
+import test_delta
+import test_exponent_reuse
+from ciera import native
+from ciera.codecs import HEADER_BYTES, as_bits, make_codec
+from ciera.codecs.base import Codec
+from ciera.cost_model import CodecEstimate, CodecSpeed, LinkModel, decide, measure_codec_speed
+from ciera.native import _lib
+from ciera.trajectory import AdamTrajectory, adversarial_step
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"native codecs not built: {native.unavailable_reason()}")
+
+NATIVE_CODECS = list(native.CODECS)
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+# -- 1. every existing case, all implementations compared ---------------------------------------
+def _twins(codec: Codec, which: str, with_triton: bool):
+    twins = [("native", getattr(native.codec_module(codec.name, required=True), f"{which}_native"))]
+    if with_triton:
+        import importlib
+
+        twins.append(("triton", getattr(importlib.import_module(codec.kernels), f"{which}_triton")))
+    return twins
+
+
+def _comparing_impl(with_triton: bool):
+    original = Codec._impl
+
+    def _impl(self, which, t):
+        if self.backend != "auto" or self.name not in NATIVE_CODECS:
+            return original(self, which, t)
+        ref = getattr(type(self), f"{which}_reference")
+        twins = _twins(self, which, with_triton)
+        if which == "encode":
+            def encode(*, layout, shard_bits, state, out):
+                results = []
+                for name, fn in [("reference", ref)] + twins:
+                    o, s = out.clone(), state.clone()
+                    results.append((name, int(fn(layout=layout, shard_bits=shard_bits, state=s, out=o)), o, s))
+                _, needed, o_ref, s_ref = results[0]
+                for name, n, o, s in results[1:]:
+                    assert n == needed, f"{self.name} {name}: needed {n} != reference {needed}"
+                    diff = (o != o_ref).nonzero().flatten()
+                    assert diff.numel() == 0, f"{self.name} {name}: payload bytes differ at {diff[:16].tolist()}"
+                    assert torch.equal(s, s_ref), f"{self.name} {name}: sender state differs"
+                out.copy_(o_ref)
+                state.copy_(s_ref)
+                return needed
+            return encode
+
+        def decode(*, layout, payload, target_bits):
+            results = []
+            for name, fn in [("reference", ref)] + twins:
+                t = target_bits.clone()
+                try:
+                    fn(layout=layout, payload=payload, target_bits=t)
+                    results.append((name, t, None))
+                except ValueError as e:  # corrupt payloads: every implementation refuses them
+                    results.append((name, None, e))
+            _, t_ref, e_ref = results[0]
+            for name, t, e in results[1:]:
+                assert (e is None) == (e_ref is None), f"{self.name} {name}: error {e!r} vs reference {e_ref!r}"
+                if e is None:
+                    assert torch.equal(t, t_ref), f"{self.name} {name}: decoded bits differ"
+            if e_ref is not None:
+                raise e_ref
+            target_bits.copy_(t_ref)
+        return decode
+
+    return _impl
+
+
+@pytest.fixture
+def compare_all_implementations(monkeypatch, request):
+    slow = request.config.getoption("--runslow") or os.environ.get("CIERA_RUN_SLOW") == "1"
+    from ciera.kernels import triton_available
+
+    monkeypatch.setattr(Codec, "_impl", _comparing_impl(with_triton=slow and triton_available()))
+
+
+# Long trajectories through the (slow) delta reference: compared in the --runslow run only; their
+# native-only originals still run by default.
+_SLOW_WHEN_COMPARED = {"test_long_trajectory_no_drift", "test_adam_trajectory_no_drift"}
+
+
+def _recollect(module, prefix):
+    """Test functions of ``module`` under new names in this module, with the comparing fixture."""
+    for name, fn in list(vars(module).items()):
+        if name.startswith("test_") and callable(fn) and "triton" not in name:
+            wrapper = functools.wraps(fn)(lambda *a, __fn=fn, **kw: __fn(*a, **kw))
+            # A copy of the marks (parametrize...): the original function must stay as it was.
+            wrapper.pytestmark = list(getattr(fn, "pytestmark", []))
+            wrapper = pytest.mark.usefixtures("compare_all_implementations")(wrapper)
+            if name in _SLOW_WHEN_COMPARED:
+                wrapper = pytest.mark.slow(wrapper)
+            globals()[f"test_all_impls_{prefix}_{name[5:]}"] = wrapper
+
+
+_recollect(test_codecs_common, "common")
+_recollect(test_delta, "delta")
+_recollect(test_exponent_reuse, "er")
+
+
+def test_comparison_runs_every_implementation(compare_all_implementations, monkeypatch):
+    """The comparing runner really calls the native twin (guards the re-collection above)."""
+    calls = []
+    mod = native.codec_module("delta")
+    real = mod.encode_native
+    monkeypatch.setattr(mod, "encode_native", lambda **kw: calls.append(1) or real(**kw))
+    codec = make_codec("delta", dtype=torch.bfloat16, numel=100)
+    x = torch.randn(100).to(torch.bfloat16)
+    codec.encode(shard=x, state=codec.new_state(shard=x), out=torch.empty(codec.clamp_capacity(codec.max_bytes),
+                                                                           dtype=torch.uint8))
+    assert calls == [1]
+    assert sum(n.startswith("test_all_impls_") for n in globals()) > 30
+
+
+# -- 2. decode_many ------------------------------------------------------------------------------
+def _payloads(codec, prevs, news, capacity):
+    """Flat uint8 buffer of one payload per shard (16-byte aligned offsets, gaps filled with junk)."""
+    parts, offsets, pos = [], [], 0
+    for p, n in zip(prevs, news):
+        out = torch.empty(capacity, dtype=torch.uint8)
+        codec.encode(shard=n, state=codec.new_state(shard=p), out=out)
+        gap = torch.full((16 * len(parts),), 0x5C, dtype=torch.uint8)  # uneven spacing
+        parts += [gap, out]
+        pos += gap.numel()
+        offsets.append(pos)
+        pos += out.numel()
+    return torch.cat(parts), torch.tensor(offsets, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("name", NATIVE_CODECS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_many_matches_a_loop_of_decode_reference(name, dtype):
+    world, n = 5, 1031
+    gen = torch.Generator().manual_seed(4)
+    codec = make_codec(name, dtype=dtype, numel=n)
+    trajs = [AdamTrajectory(numel=n, dtype=dtype, lr=3e-4, seed=r) for r in range(world)]
+    prevs = [t.step() for t in trajs]
+    news = [t.step() for t in trajs]
+    news[2] = adversarial_step(prevs[2], kind="nan_inf", gen=gen, fraction=0.1)
+    news[4] = adversarial_step(prevs[4], kind="replace", gen=gen)
+    payloads, offsets = _payloads(codec, prevs, news, codec.clamp_capacity(codec.max_bytes))
+    rows = torch.tensor([3, 0, 4, 2], dtype=torch.int64)  # not every row, not in order
+    got = as_bits(torch.stack(prevs)).clone()
+    mod = native.codec_module(name, required=True)
+    mod.decode_many_native(layout=codec.layout, payloads=payloads, rows=rows, offsets=offsets[rows],
+                           targets_bits=got)
+    want = as_bits(torch.stack(prevs)).clone()
+    for r, off in zip(rows.tolist(), offsets[rows].tolist()):
+        cap = int(payloads[off + 24 : off + 32].view(torch.int64)[0])
+        type(codec).decode_reference(layout=codec.layout, payload=payloads[off : off + cap], target_bits=want[r])
+    assert torch.equal(got, want)
+    assert torch.equal(got[3], as_bits(news[3])) and torch.equal(got[1], as_bits(prevs[1]))  # row 1 untouched
+
+
+@pytest.mark.parametrize("name", NATIVE_CODECS)
+def test_decode_many_rejects_bad_headers_and_offsets(name):
+    n = 300
+    codec = make_codec(name, dtype=torch.bfloat16, numel=n)
+    other = make_codec("exponent_reuse" if name == "delta" else "delta", dtype=torch.bfloat16, numel=n)
+    x = torch.randn(n).to(torch.bfloat16)
+    y = adversarial_step(x, kind="replace", gen=torch.Generator().manual_seed(0))
+    mod = native.codec_module(name, required=True)
+    good, off = _payloads(codec, [x], [y], codec.clamp_capacity(codec.max_bytes))
+    overflowed, _ = _payloads(codec, [x], [y], codec.fixed_bytes)
+    wrong, _ = _payloads(other, [x], [y], other.clamp_capacity(other.max_bytes))
+    rows = torch.zeros(1, dtype=torch.int64)
+    cases = [(overflowed, off, "header"), (wrong, off, "header"), (good, off + 16, "header|arguments"),
+             (good, torch.tensor([good.numel()]), "arguments"), (good[:-16], off, "header")]
+    for payloads, offsets, match in cases:
+        target = as_bits(x).clone().view(1, n)
+        with pytest.raises(ValueError, match=match):
+            mod.decode_many_native(layout=codec.layout, payloads=payloads, rows=rows, offsets=offsets,
+                                   targets_bits=target)
+    with pytest.raises(ValueError, match="arguments"):  # row outside targets
+        mod.decode_many_native(layout=codec.layout, payloads=good, rows=torch.ones(1, dtype=torch.int64),
+                               offsets=off, targets_bits=as_bits(x).clone().view(1, n))
+
+
+# -- 3. native-only properties -------------------------------------------------------------------
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("name", NATIVE_CODECS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bytes_do_not_depend_on_threads(name, dtype, threads):
+    n = 70_001
+    tr = AdamTrajectory(numel=n, dtype=dtype, lr=1e-4, seed=2)
+    prev, new = tr.step(), tr.step()
+    codec = make_codec(name, dtype=dtype, numel=n, backend="native")
+    full = codec.clamp_capacity(codec.max_bytes)
+    outs = {}
+    for k in (1, 2, 3, 7):
+        threads(k)
+        for cap in (full, codec.clamp_capacity((codec.fixed_bytes + full) // 3)):  # the second overflows
+            out = torch.full((cap,), 0x33, dtype=torch.uint8)
+            codec.encode(shard=new, state=codec.new_state(shard=prev), out=out)
+            outs.setdefault(cap, out)
+            assert torch.equal(out, outs[cap]), (k, cap)
+        target = prev.clone()
+        codec.decode(payload=outs[full], target=target)
+        assert torch.equal(as_bits(target), as_bits(new)), k
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(NATIVE_CODECS), dtype=st.sampled_from(DTYPES), data=st.data())
+def test_corrupt_payloads_never_crash(name, dtype, data):
+    """Garbage in any section: a ValueError or some decoded values, never a read or write outside
+    the payload and target (an out-of-bounds access would crash the test process)."""
+    n = data.draw(st.integers(1, 600))
+    codec = make_codec(name, dtype=dtype, numel=n, backend="native")
+    x = torch.randn(n).to(dtype)
+    y = adversarial_step(x, kind=data.draw(st.sampled_from(["replace", "nan_inf", "same"])),
+                         gen=torch.Generator().manual_seed(n))
+    out = torch.empty(codec.clamp_capacity(codec.max_bytes), dtype=torch.uint8)
+    codec.encode(shard=y, state=codec.new_state(shard=x), out=out)
+    needed = int(out[16:24].view(torch.int64)[0])
+    cut = data.draw(st.integers(HEADER_BYTES, out.numel()))
+    for _ in range(data.draw(st.integers(1, 20))):
+        out[data.draw(st.integers(HEADER_BYTES, out.numel() - 1))] = data.draw(st.integers(0, 255))
+    payload = out[: max(cut - cut % 16, codec.fixed_bytes)] if data.draw(st.booleans()) or needed > cut else out
+    target = torch.cat([x.clone(), torch.zeros(8, dtype=dtype)])  # guard values after the target
+    try:
+        native.codec_module(name).decode_native(layout=codec.layout, payload=payload.clone(),
+                                                target_bits=as_bits(target[:n]))
+    except ValueError as e:
+        assert "corrupt payload" in str(e)
+    assert torch.equal(as_bits(target[n:]), torch.zeros(8, dtype=as_bits(target).dtype))
+
+
+def test_errors_name_the_codec_and_reason():
+    codec = make_codec("exponent_reuse", dtype=torch.bfloat16, numel=64, backend="native")
+    x = torch.randn(64).to(torch.bfloat16)
+    out = torch.empty(codec.fixed_bytes, dtype=torch.uint8)  # room for no exponent block
+    codec.encode(shard=x * 4, state=codec.new_state(shard=x), out=out)
+    with pytest.raises(ValueError, match="exponent_reuse: corrupt payload: more changed blocks"):
+        native.codec_module("exponent_reuse").decode_native(layout=codec.layout, payload=out,
+                                                            target_bits=as_bits(x.clone()))
+    with pytest.raises(ValueError, match="contiguous CPU"):
+        native.codec_module("delta").decode_native(layout=make_codec("delta", dtype=torch.bfloat16, numel=64).layout,
+                                                   payload=out, target_bits=as_bits(x.clone())[::2])
+
+
+def test_dispatch_auto_native_torch(monkeypatch):
+    seen = []
+    mod = native.codec_module("exponent_reuse")
+    real = mod.decode_native
+    monkeypatch.setattr(mod, "decode_native", lambda **kw: seen.append(1) or real(**kw))
+    x = torch.randn(64).to(torch.bfloat16)
+    for backend, expect in (("auto", 1), ("native", 1), ("torch", 0)):
+        codec = make_codec("exponent_reuse", dtype=torch.bfloat16, numel=64, backend=backend)
+        out = torch.empty(codec.clamp_capacity(codec.max_bytes), dtype=torch.uint8)
+        codec.encode(shard=x, state=codec.new_state(shard=x), out=out)
+        seen.clear()
+        codec.decode(payload=out, target=x.clone())
+        assert len(seen) == expect, backend
+    with pytest.raises(ValueError, match="'native'"):
+        make_codec("delta", dtype=torch.bfloat16, numel=8, backend="numba")
+
+
+def test_missing_library_falls_back_with_one_log_line(monkeypatch, caplog):
+    monkeypatch.setenv("CIERA_NATIVE", "0")
+    _lib._load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="ciera.native._lib"):
+            assert native.codec_module("delta") is None and not native.available()
+            codec = make_codec("delta", dtype=torch.bfloat16, numel=50)
+            x = torch.randn(50).to(torch.bfloat16)
+            out = torch.empty(codec.clamp_capacity(codec.max_bytes), dtype=torch.uint8)
+            codec.encode(shard=x * 2, state=codec.new_state(shard=x), out=out)  # the reference
+            target = x.clone()
+            codec.decode(payload=out, target=target)
+            assert torch.equal(as_bits(target), as_bits(x * 2))
+            with pytest.raises(RuntimeError, match="backend='native'.*CIERA_NATIVE=0"):
+                make_codec("delta", dtype=torch.bfloat16, numel=50, backend="native").decode(payload=out, target=x.clone())
+        lines = [r for r in caplog.records if "C codecs unavailable" in r.getMessage()]
+        assert len(lines) == 1
+    finally:
+        monkeypatch.delenv("CIERA_NATIVE")
+        _lib._load.cache_clear()
+    assert native.available()
+
+
+def test_stale_or_absent_build_is_refused_in_a_fresh_process(tmp_path):
+    """Without the library file the package still imports and encodes, saying why once."""
+    code = ("import logging, torch; logging.basicConfig(level=logging.WARNING);"
+            "from ciera.native import _lib; _lib._candidates = lambda: [];"
+            "from ciera.codecs import make_codec; c = make_codec('exponent_reuse', dtype=torch.bfloat16, numel=8);"
+            "x = torch.ones(8, dtype=torch.bfloat16); o = torch.empty(c.clamp_capacity(c.max_bytes), dtype=torch.uint8);"
+            "c.encode(shard=x, state=c.new_state(shard=x), out=o); c.encode(shard=x, state=c.new_state(shard=x), out=o)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("C codecs unavailable") == 1 and "not built" in r.stderr
+
+
+# -- 4. the cost model with measured native speeds ------------------------------------------------
+@pytest.mark.parametrize("name", NATIVE_CODECS)
+def test_cost_model_cpu_decisions_with_measured_native_speeds(name, threads):
+    """On one host (the link is a memcpy) ``auto`` keeps raw; on a 1 Gbit/s link it compresses.
+
+    Speeds are measured here, on this machine's native codec at one thread; the one-host link is
+    the measured bandwidth of a copy into a preallocated buffer, which no codec reading and writing
+    the same bytes can beat. Each figure is the best of several runs (the machine may be shared)."""
+    threads(1)
+    n = 1 << 18
+    codec = make_codec(name, dtype=torch.bfloat16, numel=n)
+    sp = [measure_codec_speed(codec=codec, repeats=5) for _ in range(3)]
+    speed = CodecSpeed(encode_bytes_per_s=max(s.encode_bytes_per_s for s in sp),
+                       decode_bytes_per_s=max(s.decode_bytes_per_s for s in sp))
+    x, dst = torch.randn(n).to(torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+    best = min(_timed(lambda: dst.copy_(x)) for _ in range(50))
+    memcpy = LinkModel(bandwidth_bytes_per_s=codec.raw_bytes / best)
+    gbit = LinkModel(bandwidth_bytes_per_s=1e9 / 8, latency_s=50e-6)
+    ratio = 0.56 if name == "exponent_reuse" else 0.2  # lr 1e-4 wire ratios (BENCHMARKS.md)
+    cand = [CodecEstimate(name, wire_ratio=ratio, speed=speed)]
+    for world in (2, 4, 8):
+        d = decide(raw_bytes_per_rank=codec.raw_bytes, world=world, link=memcpy, candidates=cand)
+        assert d.choice == "raw", d.reason
+        d = decide(raw_bytes_per_rank=codec.raw_bytes, world=world, link=gbit, candidates=cand)
+        assert d.choice == name, (d.reason, speed)
+
+
+def _timed(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
