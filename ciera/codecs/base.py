@@ -25,7 +25,6 @@ Invariants every codec keeps:
 from __future__ import annotations
 
 import abc
-import functools
 import importlib
 import os
 from typing import ClassVar
@@ -188,15 +187,8 @@ class Codec(abc.ABC):
                                         targets_bits=as_bits(targets))
 
     def _decode_many_impl(self, t: torch.Tensor):
-        """``decode_many_<impl>`` for tensors like ``t``; until a kernels module defines
-        ``decode_many_triton``, a loop over its ``decode_triton`` (CONTRACT.md, item 3)."""
-        if not self._use_triton(t):
-            return type(self).decode_many_reference
-        kernels = importlib.import_module(self.kernels)
-        many = getattr(kernels, "decode_many_triton", None)
-        if many is not None:
-            return many
-        return functools.partial(decode_many_loop, kernels.decode_triton)
+        """``decode_many_<impl>`` for tensors like ``t``, chosen as :meth:`_impl` chooses."""
+        return self._impl("decode_many", t)
 
     def _check_state(self, state) -> None:
         """Raise when ``state`` is not what :meth:`new_state` returns for this codec."""
