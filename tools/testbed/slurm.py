@@ -105,7 +105,7 @@ SlurmctldTimeout=30
 SlurmdTimeout=30
 InactiveLimit=0
 KillWait=5
-MinJobAge=30
+MinJobAge=600
 {nodes}
 PartitionName=testbed Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """)
@@ -189,6 +189,40 @@ PartitionName=testbed Nodes=ALL Default=YES MaxTime=INFINITE State=UP
             raise RuntimeError(f"slurm testbed: {' '.join(cmd)} failed ({res.returncode}):\n"
                                f"{res.stdout}\n{res.stderr}\n{self.logs_tail()}")
         return res
+
+    def submit(self, args: Sequence[str], *, cwd: str, env: dict | None = None, timeout: float = 60) -> int:
+        """``sbatch --parsable ARGS`` from host 0; the job id."""
+        res = self.run(["sbatch", "--parsable", *args], cwd=cwd, env=env, timeout=timeout)
+        return int(res.stdout.strip().split(";")[0])
+
+    def job_state(self, job_id: int) -> tuple[str, str]:
+        """(JobState, ExitCode) from ``scontrol show job``, e.g. ('COMPLETED', '0:0')."""
+        out = self.run(["scontrol", "show", "job", "-o", str(job_id)], timeout=20).stdout
+        fields = dict(w.split("=", 1) for w in out.split() if "=" in w)
+        return fields.get("JobState", "UNKNOWN"), fields.get("ExitCode", "?")
+
+    def wait_job(self, job_id: int, *, timeout: float) -> tuple[str, str]:
+        """Wait for a job to finish (bounded: past ``timeout`` it is cancelled and reported TIMEOUT)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            state, code = self.job_state(job_id)
+            if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED"):
+                return state, code
+            if time.monotonic() > deadline:
+                self.run(["scancel", str(job_id)], check=False, timeout=20)
+                return "TIMEOUT", code
+            time.sleep(1.0)
+
+    def wait_idle(self, *, timeout: float) -> int:
+        """Wait for every queued job; 0 when all COMPLETED with exit 0:0, else 1."""
+        ids = [int(x) for x in self.run(["squeue", "-h", "-o", "%i"], timeout=20).stdout.split()]
+        deadline = time.monotonic() + timeout
+        ok = True
+        for job in ids:
+            state, code = self.wait_job(job, timeout=max(1.0, deadline - time.monotonic()))
+            print(f"slurm: job {job} {state} exit {code}", flush=True)
+            ok &= state == "COMPLETED" and code == "0:0"
+        return 0 if ok else 1
 
     def down(self) -> None:
         for p in reversed(self._daemons):
