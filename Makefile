@@ -42,4 +42,4 @@ demo-cluster: setup
 
 # The measurement: gather and training on the testbed at 1, 2.5 and 10 Gbit/s (root; ~1 h on 2 cores).
 bench-cluster: setup
-	$(BIN)/python tools/testbed/bench_cluster.py --out-dir bench-cluster
+	$(BIN)/python tools/testbed/bench_cluster.py --out-dir outputs/bench-cluster
