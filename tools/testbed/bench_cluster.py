@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     p.add_argument("--gather-steps", type=int, default=6)
     p.add_argument("--train-modes", nargs="*", default=list(TRAIN_MODES), choices=list(TRAIN_MODES))
     p.add_argument("--train-gather", nargs="+", default=["overlap", "sync"], choices=["overlap", "sync"])
-    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--seq", type=int, default=32)
