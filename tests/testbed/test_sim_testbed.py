@@ -46,7 +46,9 @@ def test_sync_training_prediction_hand_computed():
 
 
 def test_report_flags_a_mismatch():
-    md = report([_cfg()], {"date": "d", "machine": "m", "command": "c"})
+    cfg = _cfg()
+    cfg["sim"] = predict(cfg)
+    md = report([cfg], {"date": "d", "machine": "m", "command": "c"})
     rows = {line.split("|")[4].strip(): line for line in md.splitlines() if line.startswith("| 2x1 | 1gbit | sync")}
     assert rows["exponent_reuse"].rstrip().endswith("| yes | 104.5 |"), rows["exponent_reuse"]
     assert "| NO |" in rows["delta"]

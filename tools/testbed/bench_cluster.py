@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from tools.bench_training import model_flags  # noqa: E402
 from tools.testbed.netns import LinkSpec, Testbed, TestbedConfig, TestbedUnavailable, parse_rate  # noqa: E402
-from tools.testbed.sim_testbed import predict, probe_latency, probe_link  # noqa: E402
+from tools.testbed.sim_testbed import predict, probe_duplex, probe_latency, probe_link  # noqa: E402
 from tools.testbed.testbed import torchrun_command  # noqa: E402
 
 TRAIN_MODES = {
@@ -113,15 +113,16 @@ def _fmt(x, spec=".1f"):
 def report(results: list[dict], meta: dict) -> str:
     lines = [f"# bench_cluster ({meta['date']}, {meta['machine']})", "",
              f"Command: `{meta['command']}`", "", "## Gather (bf16 AdamW trajectory, lr 1e-4; median per gather)", "",
-             "| layout | link | numel | plain ms | mode | CIERA ms | speed-up | wire/raw | codec used | bit-exact | sim plain ms | sim CIERA ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| layout | link | TCP MB/s one way / duplex | numel | plain ms | mode | CIERA ms | speed-up | wire/raw | codec used | bit-exact | sim plain ms | sim CIERA ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         g = r.get("gather")
         if not g:
             continue
         sim = r.get("sim", {}).get("gather", {})
         for m, s in g["modes"].items():
-            lines.append(f"| {r['layout']} | {r['rate']} | {g['numel']:,} | {g['plain_ms']:.1f} | {m} | {s['ms']:.1f} "
+            probe = f"{r['link_probe_bytes_per_s'] / 1e6:.0f} / {r.get('link_duplex_bytes_per_s', 0) / 1e6:.0f}"
+            lines.append(f"| {r['layout']} | {r['rate']} | {probe} | {g['numel']:,} | {g['plain_ms']:.1f} | {m} | {s['ms']:.1f} "
                          f"| {g['plain_ms'] / s['ms']:.2f}x | {s['wire_bytes'] / max(1, s['raw_bytes']):.3f} | {s['codec']} "
                          f"| {g['bit_exact_steps']} steps | {_fmt(sim.get('plain_ms'))} | {_fmt(sim.get(m))} |")
     lines += ["", "## Training (pretrain_gpt.py; median ms per iteration after the first interval)", "",
@@ -209,9 +210,11 @@ def main(argv=None) -> int:
                         tempfile.TemporaryDirectory() as tmp:
                     work = Path(tmp)
                     cfg["link_probe_bytes_per_s"] = probe_link(tb)
+                    cfg["link_duplex_bytes_per_s"] = probe_duplex(tb)
                     cfg["link_latency_s"] = probe_latency(tb)
                     print(f"== {layout} at {rate} (testbed {tb.name}): one TCP stream "
-                          f"{cfg['link_probe_bytes_per_s'] / 1e6:.0f} MB/s, latency "
+                          f"{cfg['link_probe_bytes_per_s'] / 1e6:.0f} MB/s, both ways at once "
+                          f"{cfg['link_duplex_bytes_per_s'] / 1e6:.0f} MB/s, latency "
                           f"{cfg['link_latency_s'] * 1e6:.0f} us", flush=True)
                     if not a.no_gather:
                         cfg["gather"] = bench_gather(tb, nproc=nproc, numel=a.numel, warmup=a.gather_warmup,

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 from ciera.cost_model import CodecEstimate, CodecSpeed, LinkModel, TwoLevelLink, predict_compressed, predict_raw
 
@@ -40,6 +42,40 @@ def probe_link(tb, *, nbytes: int = 32 << 20, port: int = 29502, timeout: float 
     tb.run(1, [sys.executable, "-c", client], timeout=timeout)
     out, _ = srv.communicate(timeout=timeout)
     return float(out.strip())
+
+
+_DUPLEX = """
+import socket, sys, threading, time
+me, peer, n, port = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); srv.bind((me, port)); srv.listen(1)
+def send():
+    for _ in range(200):
+        try:
+            c = socket.create_connection((peer, port)); break
+        except OSError:
+            time.sleep(0.05)
+    c.sendall(bytes(n)); c.shutdown(socket.SHUT_WR); c.recv(1); c.close()
+t = threading.Thread(target=send); t.start()
+conn, _ = srv.accept(); got = 0; t0 = None
+while got < n:
+    b = conn.recv(1 << 20)
+    if not b: break
+    t0 = t0 or time.perf_counter(); got += len(b)
+dt = time.perf_counter() - t0; conn.sendall(b"k"); t.join()
+print(got / dt)
+"""
+
+
+def probe_duplex(tb, *, nbytes: int = 32 << 20, port: int = 29504, timeout: float = 120) -> float:
+    """Bytes per second each way while hosts 0 and 1 send to each other at once (what a 2-host
+    all-gather does): the lower of the two receive rates."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmds = [[sys.executable, "-c", _DUPLEX, tb.addr(i), tb.addr(1 - i), str(nbytes), str(port)] for i in (0, 1)]
+        codes = tb.run_all(cmds, timeout=timeout, log_dir=Path(tmp))
+        outs = [(Path(tmp) / f"host{i}.log").read_text() for i in (0, 1)]
+    if any(codes):
+        raise RuntimeError(f"duplex probe failed {codes}: {outs}")
+    return min(float(o.split()[-1]) for o in outs)
 
 
 def probe_latency(tb, *, rounds: int = 200, port: int = 29503, timeout: float = 60) -> float:
@@ -62,9 +98,12 @@ def probe_latency(tb, *, rounds: int = 200, port: int = 29503, timeout: float = 
 
 
 def link_for(cfg: dict) -> TwoLevelLink:
-    """Ranks of one host share its link (one NIC per node); a ring over nodes, then loopback."""
-    return TwoLevelLink(intra=LinkModel(LOOPBACK_BYTES_PER_S), inter=LinkModel(cfg["link_probe_bytes_per_s"], cfg.get("link_latency_s", 0.0)),
-                        gpus_per_node=cfg["nproc"], nics_per_node=1, algorithm="hierarchical")
+    """gloo's all-gather is one flat ring over every rank (ranks fill hosts in order), each step
+    paced by the host link, which carries data both ways at once: the duplex probe's rate when
+    measured (``link_duplex_bytes_per_s``), else the one-way stream's."""
+    bw = cfg.get("link_duplex_bytes_per_s") or cfg["link_probe_bytes_per_s"]
+    return TwoLevelLink(intra=LinkModel(LOOPBACK_BYTES_PER_S), inter=LinkModel(bw, cfg.get("link_latency_s", 0.0)),
+                        gpus_per_node=cfg["nproc"], nics_per_node=1, algorithm="ring")
 
 
 def codec_speed(*, shard_bytes: float, world: int, encode_ms: float, decode_ms: float) -> CodecSpeed:
