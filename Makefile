@@ -40,6 +40,7 @@ testbed-setup:
 demo-cluster: setup
 	$(BIN)/python tools/testbed/demo_cluster.py
 
-# The measurement: gather and training on the testbed at 1, 2.5 and 10 Gbit/s (root; ~1 h on 2 cores).
+# The measurement: gather and training on the testbed at 1, 2.5 and 10 Gbit/s (root; hours on 2 cores with
+# the reference codecs: forced delta runs dominate). Writes outputs/bench-cluster/bench_cluster.{md,png}.
 bench-cluster: setup
 	$(BIN)/python tools/testbed/bench_cluster.py --out-dir outputs/bench-cluster

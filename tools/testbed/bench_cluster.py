@@ -101,6 +101,16 @@ def bench_train(tb, *, nproc, flags, mode, overlap, timeout, work: Path) -> dict
             "log_lines": picked}
 
 
+def _merge(runs: list[dict]) -> dict:
+    """Repeats of one mode: median time; sha256 and losses kept only if every repeat agrees."""
+    out = dict(runs[-1])
+    out["ms_runs"] = [r["ms"] for r in runs]
+    out["ms"] = statistics.median(r["ms"] for r in runs) if all(r["ms"] for r in runs) else None
+    if len({r["sha256"] for r in runs}) != 1 or len({tuple(r["losses"]) for r in runs}) != 1:
+        out["sha256"], out["losses"] = "repeats differ", []
+    return out
+
+
 def simulate(cfg: dict) -> dict:
     """The simulator's prediction for this configuration (see tools/testbed/sim_testbed.py)."""
     return predict(cfg)
@@ -186,6 +196,7 @@ def main(argv=None) -> int:
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--iters", type=int, default=12)
+    p.add_argument("--repeats", type=int, default=2, help="training runs per mode, order rotated")
     p.add_argument("--no-gather", action="store_true")
     p.add_argument("--timeout", type=float, default=900, help="per launch")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one layout and rate")
@@ -194,6 +205,7 @@ def main(argv=None) -> int:
     if a.smoke:
         a.layouts, a.rates, a.numel, a.gather_warmup, a.gather_steps = ["2x1"], ["1gbit"], 1 << 14, 3, 2
         a.hidden, a.experts, a.iters, a.train_modes, a.train_gather = 32, 2, 4, ["baseline", "auto"], ["overlap"]
+        a.repeats = 1
     a.out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{platform.node()} {os.cpu_count()} cores, shared with other jobs",
@@ -223,13 +235,18 @@ def main(argv=None) -> int:
                         print(f"   gather plain {g['plain_ms']:.1f} ms; " + "; ".join(
                             f"{m} {s['ms']:.1f} ms ({s['codec']})" for m, s in g["modes"].items()), flush=True)
                     for gather_mode in a.train_gather:
+                        runs: dict[str, list[dict]] = {m: [] for m in a.train_modes}
+                        for rep in range(a.repeats):  # modes rotated per repeat: load drift hits all alike
+                            k = rep % max(1, len(a.train_modes))
+                            for mode in a.train_modes[k:] + a.train_modes[:k]:
+                                t0 = time.monotonic()
+                                r = bench_train(tb, nproc=nproc, flags=flags, mode=mode,
+                                                overlap=gather_mode == "overlap", timeout=a.timeout, work=work)
+                                runs[mode].append(r)
+                                print(f"   train {gather_mode:<7} {mode:<15} {_fmt(r['ms'])} ms/iter "
+                                      f"({time.monotonic() - t0:.0f} s)", flush=True)
                         for mode in a.train_modes:
-                            t0 = time.monotonic()
-                            r = bench_train(tb, nproc=nproc, flags=flags, mode=mode, overlap=gather_mode == "overlap",
-                                            timeout=a.timeout, work=work)
-                            cfg["train"].append(r)
-                            print(f"   train {gather_mode:<7} {mode:<15} {_fmt(r['ms'])} ms/iter "
-                                  f"({time.monotonic() - t0:.0f} s)", flush=True)
+                            cfg["train"].append(_merge(runs[mode]))
                 cfg["model"] = {"hidden": a.hidden, "layers": a.layers, "experts": a.experts, "seq": a.seq, "dp": dp,
                                 "iters": a.iters}
                 try:
