@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tools.testbed import netns
 from tools.testbed.netns import LinkSpec, Testbed, TestbedConfig
 from tools.testbed.slurm import SlurmCluster
 
@@ -48,6 +49,10 @@ def _two_node_jobs(models, tmp_path):
             assert "NumNodes=2" in info and f"NodeList={tb.name}h[0-1]" in info, info
             assert SHA.search(log), log[-3000:]
             out[model] = SHA.search(log).group(1)
+    # Torn down: no daemon of this cluster left, its temp config gone, no namespace left.
+    left = subprocess.run(["pgrep", "-f", str(slurm.dir)], capture_output=True, text=True).stdout.split()
+    assert left == [] and not slurm.dir.exists(), left
+    assert not [n for n in netns.list_namespaces() if n.startswith(tb.name)]
     return out
 
 
