@@ -29,7 +29,6 @@ import os
 import platform
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,7 +51,6 @@ TRAIN_MODES = {
 ITER_MS = re.compile(r"elapsed time per iteration \(ms\): ([\d.]+)")
 SHA = re.compile(r"^params sha256: ([0-9a-f]{64})$", re.M)
 TOTAL = re.compile(r"^total\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x", re.M)
-AUTO_LINE = re.compile(r"^.*(?:ciera|CIERA).*(?:raw|auto|select).*$", re.M)
 
 
 def train_flags(*, hidden: int, layers: int, experts: int, iters: int, seq: int, dp: int) -> list[str]:
