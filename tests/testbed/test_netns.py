@@ -78,7 +78,7 @@ def test_lifecycle_addresses_names_shaping(netns_ok, topology):
 
 
 def test_rate_is_enforced(netns_ok):
-    """8 MB from host 1 to host 0 over a 200 Mbit/s link takes ~0.34 s, not the veth's ~ms."""
+    """8 MB from host 1 to host 0 over a 200 Mbit/s link takes >= ~0.34 s, not an unshaped veth's ~10 ms."""
     server = ("import socket,time;s=socket.socket();s.bind(('{addr}',29501));s.listen(1);c,_=s.accept();"
               "n=0;t=None\nwhile True:\n b=c.recv(1<<20)\n if not b: break\n t=t or time.perf_counter();n+=len(b)\n"
               "print(n, time.perf_counter()-t)")
@@ -91,7 +91,9 @@ def test_rate_is_enforced(netns_ok):
     n, secs = out.split()
     rate = int(n) * 8 / float(secs)
     assert int(n) == 8 << 20
-    assert 0.5 * 200e6 < rate < 1.3 * 200e6, f"measured {rate / 1e6:.0f} Mbit/s on a 200 Mbit/s link"
+    # The shaping holds the link to its rate (an unshaped veth moves several Gbit/s); the lower
+    # bound only catches a stalled link, not load on a shared machine.
+    assert 0.05 * 200e6 < rate < 1.3 * 200e6, f"measured {rate / 1e6:.0f} Mbit/s on a 200 Mbit/s link"
 
 
 def _start_cli(*args):
