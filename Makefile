@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup native demo test test-all bench
+.PHONY: setup native demo test test-all bench testbed-setup demo-cluster bench-cluster
 
 setup: $(VENV)/.installed
 
@@ -30,3 +30,21 @@ test-all: setup
 bench: setup
 	$(BIN)/python tools/bench_codec.py
 	$(BIN)/python tools/bench_allgather.py
+
+# Multi-host testbed (tools/testbed): network namespaces need root; SLURM needs slurm-wlm + munge.
+# As root, installs what is missing (Debian); otherwise says so, and the testbed tests skip.
+testbed-setup:
+	@if [ "$$(id -u)" != 0 ]; then echo "testbed-setup: not root: the testbed tests will skip"; \
+	elif command -v slurmctld >/dev/null && command -v munged >/dev/null && command -v tc >/dev/null; then \
+	  echo "testbed-setup: slurm-wlm, munge, iproute2 present"; \
+	else apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	  slurm-wlm munge iproute2 >/dev/null && echo "testbed-setup: installed slurm-wlm munge iproute2"; fi
+
+# 2 hosts at 1 Gbit/s: iteration time and bytes with and without CIERA, bit-identical (root).
+demo-cluster: setup
+	$(BIN)/python tools/testbed/demo_cluster.py
+
+# The measurement: gather and training on the testbed at 1, 2.5 and 10 Gbit/s (root; hours on 2 cores with
+# the reference codecs: forced delta runs dominate). Writes outputs/bench-cluster/bench_cluster.{md,png}.
+bench-cluster: setup
+	$(BIN)/python tools/testbed/bench_cluster.py --out-dir outputs/bench-cluster

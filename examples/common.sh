@@ -311,6 +311,10 @@ ciera_slurm() {
     export NNODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-${#hosts[@]}}}
     # SLURM_GPUS_ON_NODE is a count; SLURM_GPUS_PER_NODE may read "a100:8".
     local gpus=${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-8}}
+    if [[ "${TINY:-0}" == 1 ]]; then
+        # TINY is the 2-rank CPU run: on 2 nodes, one rank each (same world, same params sha256).
+        gpus=$((NNODES >= 2 ? 1 : 2))
+    fi
     export GPUS_PER_NODE=${GPUS_PER_NODE:-${gpus##*:}}
     # Each srun task is one node; the train script reads its NODE_RANK from SLURM_NODEID.
     ciera_exec srun --nodes "$NNODES" --ntasks "$NNODES" --ntasks-per-node 1 --kill-on-bad-exit=1 \

@@ -1,0 +1,55 @@
+"""tools/testbed/sim_testbed.py and bench_cluster's report on constructed measurements (no testbed)."""
+
+import pytest
+
+from tools.testbed.bench_cluster import report
+from tools.testbed.sim_testbed import predict
+
+
+def _cfg():
+    mode = dict(ms=20.0, raw_bytes=8 << 20, wire_bytes=4 << 20, gathers=4, raw_gathers=0, overflows=0,
+                encode_ms=5.0, decode_ms=5.0, codec="exponent_reuse")
+    auto = dict(mode, ms=10.6, wire_bytes=8 << 20, raw_gathers=4, encode_ms=0.0, decode_ms=0.0, codec="raw")
+    return {"layout": "2x1", "hosts": 2, "nproc": 1, "rate": "1gbit", "link_probe_bytes_per_s": 1e8,
+            "link_latency_s": 0.0, "model": {"iters": 9},
+            "gather": {"world": 2, "numel": 1 << 20, "plain_ms": 10.5, "bit_exact_steps": 8, "steps": 4,
+                       "modes": {"exponent_reuse": mode, "auto": auto}},
+            "train": [
+                {"mode": "baseline", "overlap": False, "ms": 100.0, "sha256": "a" * 64, "losses": ["1", "0x1p0"],
+                 "raw_mb": None, "wire_mb": None},
+                # 10 gathers of a 2 MB bucket: 1 MB per rank per iteration, half of it on the wire
+                {"mode": "exponent_reuse", "overlap": False, "ms": 105.0, "sha256": "a" * 64,
+                 "losses": ["1", "0x1p0"], "raw_mb": 20.0, "wire_mb": 10.0},
+                {"mode": "delta", "overlap": False, "ms": 99.0, "sha256": "b" * 64, "losses": ["1", "0x1p0"],
+                 "raw_mb": 20.0, "wire_mb": 5.0},
+            ]}
+
+
+def test_gather_prediction_hand_computed():
+    sim = predict(_cfg())
+    shard = (1 << 20) // 2 * 2  # bf16 bytes per rank
+    assert sim["gather"]["plain_ms"] == pytest.approx(shard / 1e8 * 1e3)
+    # encode 5 ms + half the bytes on the link + decode 5 ms (speeds derived from those timers)
+    assert sim["gather"]["exponent_reuse"] == pytest.approx(5 + shard / 2 / 1e8 * 1e3 + 5)
+    assert sim["gather"]["auto"] == sim["gather"]["plain_ms"]  # auto sent raw throughout
+
+
+def test_sync_training_prediction_hand_computed():
+    sim = predict(_cfg())
+    shard = 20e6 / 10 / 2
+    raw_ms = shard / 1e8 * 1e3
+    # the codec's speeds (bytes/s) from the gather bench, applied to the training bucket
+    enc_ms = shard / ((1 << 20) / 5e-3) * 1e3
+    dec_ms = shard / ((1 << 20) / 5e-3) * 1e3
+    assert sim["train"]["exponent_reuse:sync"] == pytest.approx(100 - raw_ms + enc_ms + raw_ms / 2 + dec_ms)
+    assert "delta:sync" not in sim["train"]  # no codec speeds measured for it
+
+
+def test_report_flags_a_mismatch():
+    cfg = _cfg()
+    cfg["sim"] = predict(cfg)
+    md = report([cfg], {"date": "d", "machine": "m", "command": "c"})
+    rows = {line.split("|")[4].strip(): line for line in md.splitlines() if line.startswith("| 2x1 | 1gbit | sync")}
+    assert rows["exponent_reuse"].rstrip().endswith("| yes | 104.5 |"), rows["exponent_reuse"]
+    assert "| NO |" in rows["delta"]
+    assert "0.95x" in rows["exponent_reuse"]

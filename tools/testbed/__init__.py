@@ -1,0 +1,1 @@
+"""A multi-host cluster on one machine: network namespaces, shaped veth links, real SLURM."""

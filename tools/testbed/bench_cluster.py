@@ -1,0 +1,267 @@
+#!/usr/bin/env python
+"""The testbed measurement: gather and training, baseline vs CIERA, over real shaped links.
+
+For every layout (``HOSTSxRANKS``: 2x1, 2x2) and link rate (1, 2.5, 10 Gbit/s) it builds the testbed
+(``tools/testbed/netns.py``), then on every host launches torchrun (c10d rendezvous on host 0):
+
+* **gather** (``bench_gather.py``): plain ``all_gather_into_tensor`` vs CieraAllGather per codec
+  (forced) and ``auto`` on a bf16 AdamW trajectory at lr 1e-4, bit-exact every step; time and bytes;
+* **training** (``pretrain_gpt.py``): iteration time without and with ``--ciera-allgather`` (auto
+  and each codec forced), overlapped (``--overlap-param-gather``) and synchronous; every run's
+  per-iteration losses and final params sha256 compared exactly with the baseline's.
+
+Then the simulator (``tools/sim``) is fed each configuration (link measured by the plain gather,
+codec speeds measured by the CIERA gathers, the training run's bucket sizes) and its predictions
+are put next to the measured times. Writes ``results.json``, ``bench_cluster.md`` and
+``bench_cluster.png`` under ``--out-dir``. Needs root (network namespaces).
+
+    python tools/testbed/bench_cluster.py --out-dir outputs/bench-cluster            # everything (~1 h, 2 cores)
+    python tools/testbed/bench_cluster.py --layouts 2x1 --rates 1gbit --train-modes baseline auto
+    python tools/testbed/bench_cluster.py --smoke --out-dir /tmp/bc                   # tiny, checks it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tools.bench_training import model_flags  # noqa: E402
+from tools.testbed.netns import LinkSpec, Testbed, TestbedConfig, TestbedUnavailable, parse_rate  # noqa: E402
+from tools.testbed.sim_testbed import predict, probe_duplex, probe_latency, probe_link  # noqa: E402
+from tools.testbed.testbed import torchrun_command  # noqa: E402
+
+TRAIN_MODES = {
+    "baseline": [],
+    "auto": ["--ciera-allgather", "--ciera-selection", "auto", "--ciera-codec", "auto"],
+    "exponent_reuse": ["--ciera-allgather", "--ciera-selection", "always", "--ciera-codec", "exponent_reuse"],
+    "delta": ["--ciera-allgather", "--ciera-selection", "always", "--ciera-codec", "delta"],
+}
+ITER_MS = re.compile(r"elapsed time per iteration \(ms\): ([\d.]+)")
+SHA = re.compile(r"^params sha256: ([0-9a-f]{64})$", re.M)
+TOTAL = re.compile(r"^total\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x", re.M)
+
+
+def train_flags(*, hidden: int, layers: int, experts: int, iters: int, seq: int, dp: int) -> list[str]:
+    """bench_training's model, made communication-bound: short sequences, one micro-batch per rank."""
+    return model_flags(hidden=hidden, layers=layers, experts=experts, ep=1, iters=iters) + [
+        "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--micro-batch-size", "1",
+        "--global-batch-size", str(dp), "--log-interval", "2"]
+
+
+def _torchrun_all(tb: Testbed, script: list[str], *, nproc: int, timeout: float, log_dir: Path) -> list[str]:
+    cmds = [torchrun_command(tb, i, nproc_per_node=nproc, port=29400, script=script) for i in range(tb.hosts)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    codes = tb.run_all(cmds, timeout=timeout, env=env, log_dir=log_dir)
+    logs = [(log_dir / f"host{i}.log").read_text(errors="replace") for i in range(tb.hosts)]
+    if any(codes):
+        raise RuntimeError(f"{script[0]}: exit codes {codes}\n" + "\n".join(x[-3000:] for x in logs))
+    return logs
+
+
+def bench_gather(tb, *, nproc, numel, warmup, steps, timeout, work: Path) -> dict:
+    out = work / "gather.json"
+    _torchrun_all(tb, [str(ROOT / "tools/testbed/bench_gather.py"), "--numel", str(numel), "--warmup", str(warmup),
+                       "--steps", str(steps), "--out", str(out)], nproc=nproc, timeout=timeout, log_dir=work)
+    return json.loads(out.read_text())
+
+
+def bench_train(tb, *, nproc, flags, mode, overlap, timeout, work: Path) -> dict:
+    loss_log = work / "losses.txt"
+    f = list(flags) + TRAIN_MODES[mode] + ["--ciera-loss-log", str(loss_log)]
+    if not overlap:
+        f.remove("--overlap-param-gather")
+    logs = _torchrun_all(tb, [str(ROOT / "pretrain_gpt.py"), *f], nproc=nproc, timeout=timeout, log_dir=work)
+    text = "\n".join(logs)
+    per_interval = [float(m.group(1)) for m in ITER_MS.finditer(text)]
+    sha = SHA.search(text)
+    total = TOTAL.findall(text)
+    losses = loss_log.read_text().split() if loss_log.exists() else []
+    picked = sorted({line.strip()[:160] for line in text.splitlines()
+                     if "ciera" in line.lower() and ("auto" in line.lower() or "select" in line.lower())
+                     and "iteration" not in line})[:6]
+    return {"mode": mode, "overlap": overlap,
+            "ms": statistics.median(per_interval[1:] or per_interval) if per_interval else None,
+            "intervals_ms": per_interval, "sha256": sha.group(1) if sha else None, "losses": losses,
+            "raw_mb": float(total[-1][0]) if total else None, "wire_mb": float(total[-1][1]) if total else None,
+            "log_lines": picked}
+
+
+def _merge(runs: list[dict]) -> dict:
+    """Repeats of one mode: median time; sha256 and losses kept only if every repeat agrees."""
+    out = dict(runs[-1])
+    out["ms_runs"] = [r["ms"] for r in runs]
+    out["ms"] = statistics.median(r["ms"] for r in runs) if all(r["ms"] for r in runs) else None
+    if len({r["sha256"] for r in runs}) != 1 or len({tuple(r["losses"]) for r in runs}) != 1:
+        out["sha256"], out["losses"] = "repeats differ", []
+    return out
+
+
+def simulate(cfg: dict) -> dict:
+    """The simulator's prediction for this configuration (see tools/testbed/sim_testbed.py)."""
+    return predict(cfg)
+
+
+def _fmt(x, spec=".1f"):
+    return "-" if x is None else format(x, spec)
+
+
+def report(results: list[dict], meta: dict) -> str:
+    lines = [f"# bench_cluster ({meta['date']}, {meta['machine']})", "",
+             f"Command: `{meta['command']}`", "", "## Gather (bf16 AdamW trajectory, lr 1e-4; median per gather)", "",
+             "| layout | link | TCP MB/s one way / duplex | numel | plain ms | mode | CIERA ms | speed-up | wire/raw | codec used | bit-exact | sim plain ms | sim CIERA ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        g = r.get("gather")
+        if not g:
+            continue
+        sim = r.get("sim", {}).get("gather", {})
+        for m, s in g["modes"].items():
+            probe = f"{r['link_probe_bytes_per_s'] / 1e6:.0f} / {r.get('link_duplex_bytes_per_s', 0) / 1e6:.0f}"
+            lines.append(f"| {r['layout']} | {r['rate']} | {probe} | {g['numel']:,} | {g['plain_ms']:.1f} | {m} | {s['ms']:.1f} "
+                         f"| {g['plain_ms'] / s['ms']:.2f}x | {s['wire_bytes'] / max(1, s['raw_bytes']):.3f} | {s['codec']} "
+                         f"| {g['bit_exact_steps']} steps | {_fmt(sim.get('plain_ms'))} | {_fmt(sim.get(m))} |")
+    lines += ["", "## Training (pretrain_gpt.py; median ms per iteration after the first interval)", "",
+              "| layout | link | gather | mode | ms / iter | vs baseline | all-gather MB raw -> wire | losses + sha256 = baseline | sim ms |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        sim = r.get("sim", {}).get("train", {})
+        for t in r.get("train", []):
+            base = next((b for b in r["train"] if b["mode"] == "baseline" and b["overlap"] == t["overlap"]), None)
+            same = "-" if t["mode"] == "baseline" else (
+                "yes" if base and t["sha256"] == base["sha256"] and t["losses"] == base["losses"] else "NO")
+            rel = f"{base['ms'] / t['ms']:.2f}x" if base and base["ms"] and t["ms"] else "-"
+            mb = f"{t['raw_mb']:.1f} -> {t['wire_mb']:.1f}" if t["raw_mb"] else "-"
+            key = f"{t['mode']}:{'overlap' if t['overlap'] else 'sync'}"
+            lines.append(f"| {r['layout']} | {r['rate']} | {'overlap' if t['overlap'] else 'sync'} | {t['mode']} "
+                         f"| {_fmt(t['ms'])} | {rel} | {mb} | {same} | {_fmt(sim.get(key))} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in results:
+        g = r.get("gather")
+        if g:
+            for m, s in g["modes"].items():
+                axes[0].scatter(parse_rate(r["rate"]) / 1e9, g["plain_ms"] / s["ms"], label=f"{r['layout']} {m}")
+        for t in r.get("train", []):
+            base = next((b for b in r["train"] if b["mode"] == "baseline" and b["overlap"] == t["overlap"]), None)
+            if base and t["mode"] != "baseline" and t["ms"]:
+                axes[1].scatter(parse_rate(r["rate"]) / 1e9, base["ms"] / t["ms"],
+                                label=f"{r['layout']} {t['mode']} {'ovl' if t['overlap'] else 'sync'}")
+    for ax, title in zip(axes, ["gather speed-up vs plain", "iteration speed-up vs baseline"]):
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("link rate (Gbit/s)")
+        ax.set_ylabel("speed-up (x)")
+        ax.set_title(title)
+        handles, labels = ax.get_legend_handles_labels()
+        uniq = dict(zip(labels, handles))
+        ax.legend(uniq.values(), uniq.keys(), fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layouts", nargs="+", default=["2x1", "2x2"], help="HOSTSxRANKS_PER_HOST")
+    p.add_argument("--rates", nargs="+", default=["1gbit", "2.5gbit", "10gbit"])
+    p.add_argument("--numel", type=int, default=1 << 23, help="gather bucket values")
+    p.add_argument("--gather-warmup", type=int, default=6)
+    p.add_argument("--gather-steps", type=int, default=6)
+    p.add_argument("--train-modes", nargs="*", default=list(TRAIN_MODES), choices=list(TRAIN_MODES))
+    p.add_argument("--train-gather", nargs="+", default=["overlap", "sync"], choices=["overlap", "sync"])
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--iters", type=int, default=12)
+    p.add_argument("--repeats", type=int, default=2, help="training runs per mode, order rotated")
+    p.add_argument("--no-gather", action="store_true")
+    p.add_argument("--timeout", type=float, default=900, help="per launch")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, one layout and rate")
+    p.add_argument("--out-dir", type=Path, default=ROOT / "outputs" / "bench-cluster")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.layouts, a.rates, a.numel, a.gather_warmup, a.gather_steps = ["2x1"], ["1gbit"], 1 << 14, 3, 2
+        a.hidden, a.experts, a.iters, a.train_modes, a.train_gather = 32, 2, 4, ["baseline", "auto"], ["overlap"]
+        a.repeats = 1
+    a.out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": f"{platform.node()} {os.cpu_count()} cores, shared with other jobs",
+            "command": "python tools/testbed/bench_cluster.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    results = []
+    try:
+        for layout in a.layouts:
+            hosts, nproc = (int(x) for x in layout.split("x"))
+            dp = hosts * nproc
+            flags = train_flags(hidden=a.hidden, layers=a.layers, experts=a.experts, iters=a.iters, seq=a.seq, dp=dp)
+            for rate in a.rates:
+                cfg = {"layout": layout, "hosts": hosts, "nproc": nproc, "rate": rate, "train": []}
+                with Testbed(TestbedConfig(hosts=hosts, link=LinkSpec(rate=rate))) as tb, \
+                        tempfile.TemporaryDirectory() as tmp:
+                    work = Path(tmp)
+                    cfg["link_probe_bytes_per_s"] = probe_link(tb)
+                    cfg["link_duplex_bytes_per_s"] = probe_duplex(tb)
+                    cfg["link_latency_s"] = probe_latency(tb)
+                    print(f"== {layout} at {rate} (testbed {tb.name}): one TCP stream "
+                          f"{cfg['link_probe_bytes_per_s'] / 1e6:.0f} MB/s, both ways at once "
+                          f"{cfg['link_duplex_bytes_per_s'] / 1e6:.0f} MB/s, latency "
+                          f"{cfg['link_latency_s'] * 1e6:.0f} us", flush=True)
+                    if not a.no_gather:
+                        cfg["gather"] = bench_gather(tb, nproc=nproc, numel=a.numel, warmup=a.gather_warmup,
+                                                     steps=a.gather_steps, timeout=a.timeout, work=work)
+                        g = cfg["gather"]
+                        print(f"   gather plain {g['plain_ms']:.1f} ms; " + "; ".join(
+                            f"{m} {s['ms']:.1f} ms ({s['codec']})" for m, s in g["modes"].items()), flush=True)
+                    for gather_mode in a.train_gather:
+                        runs: dict[str, list[dict]] = {m: [] for m in a.train_modes}
+                        for rep in range(a.repeats):  # modes rotated per repeat: load drift hits all alike
+                            k = rep % max(1, len(a.train_modes))
+                            for mode in a.train_modes[k:] + a.train_modes[:k]:
+                                t0 = time.monotonic()
+                                r = bench_train(tb, nproc=nproc, flags=flags, mode=mode,
+                                                overlap=gather_mode == "overlap", timeout=a.timeout, work=work)
+                                runs[mode].append(r)
+                                print(f"   train {gather_mode:<7} {mode:<15} {_fmt(r['ms'])} ms/iter "
+                                      f"({time.monotonic() - t0:.0f} s)", flush=True)
+                        for mode in a.train_modes:
+                            cfg["train"].append(_merge(runs[mode]))
+                cfg["model"] = {"hidden": a.hidden, "layers": a.layers, "experts": a.experts, "seq": a.seq, "dp": dp,
+                                "iters": a.iters}
+                try:
+                    cfg["sim"] = simulate(cfg)
+                except Exception as e:  # the measurement stands without the simulator's column
+                    cfg["sim"] = {"error": f"{type(e).__name__}: {e}"}
+                results.append(cfg)
+                (a.out_dir / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    except TestbedUnavailable as e:
+        print(f"bench_cluster: cannot run here: {e}", file=sys.stderr)
+        return 77
+    md = report(results, meta)
+    (a.out_dir / "bench_cluster.md").write_text(md)
+    plot(results, a.out_dir / "bench_cluster.png")
+    print(md)
+    return 1 if "| NO |" in md else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
