@@ -280,6 +280,7 @@ def _failure_worker(rank, world):
             failing("encode", RuntimeError("injected encode failure"))
         if step == 8 and rank == 0:
             failing("decode_many", RuntimeError("injected decode failure"))
+        dist.all_gather_into_tensor(ref, x)  # every rank, also where the gather below raises
         gather.prepare()
         plans.append(gather._plan.raw)
         try:
@@ -287,7 +288,6 @@ def _failure_worker(rank, world):
         except RuntimeError as e:
             raised.append((step, str(e)))
             continue
-        dist.all_gather_into_tensor(ref, x)
         assert torch.equal(as_bits(buf), as_bits(ref)), step
     return plans, raised, gather.stats
 
