@@ -105,19 +105,73 @@ def optimizer_config(args):
     return _from_args(OptimizerConfig, args, params_dtype=args.params_dtype, timers=None, **as_dtype)
 
 
+class _TorchNorm:
+    """torch's LayerNorm / RMSNorm for the local spec, sequence-parallel capable.
+
+    Megatron-Core's own torch fallback (``WrappedTorchNorm``, used without apex) refuses
+    ``sequence_parallel``; with SP the norm weights are replicated over TP ranks that see
+    different tokens, so they are marked ``sequence_parallel`` and ``finalize_model_grads``
+    all-reduces their gradients over TP (what apex's FusedLayerNorm and TE do)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        if not config.sequence_parallel:
+            return WrappedTorchNorm(config, hidden_size, eps, persist_layer_norm, zero_centered_gamma, normalization)
+        norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+
+def _replace_norm(spec, old, new):
+    """Swap the norm class ``old`` for ``new`` everywhere in a (block or layer) spec, in place."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(spec, (list, tuple)):
+        for item in spec:
+            _replace_norm(item, old, new)
+        return
+    if isinstance(spec, ModuleSpec):
+        if spec.module is old:
+            spec.module = new
+        _replace_norm(spec.submodules, old, new)
+        return
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        for f in dataclasses.fields(spec):
+            value = getattr(spec, f.name)
+            if value is old:
+                setattr(spec, f.name, new)
+            else:
+                _replace_norm(value, old, new)
+
+
 def layer_spec(args, config):
-    """The layer spec Megatron-LM's pretrain_gpt.py would pick for this run."""
+    """The decoder block spec Megatron-LM's pretrain_gpt.py would pick for this run (TE or local;
+    dense and MoE layers per ``--moe-layer-freq``)."""
+    import copy
+
     from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     use_te = args.transformer_impl == "transformer_engine"
-    if args.num_experts is not None:
-        return specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
-                                                normalization=args.normalization, qk_l2_norm=False)
-    if use_te:
-        return specs.get_gpt_layer_with_transformer_engine_spec(
-            qk_layernorm=args.qk_layernorm, multi_latent_attention=args.multi_latent_attention)
-    return specs.get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization,
-                                          multi_latent_attention=args.multi_latent_attention)
+    spec = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=args.normalization)
+    if not use_te:
+        spec = copy.deepcopy(spec)
+        _replace_norm(spec, WrappedTorchNorm, _TorchNorm)
+    return spec
+
+
+def _define_missing_te_names() -> None:
+    """megatron-core 0.16.1 without transformer-engine: the MoE router tests ``te_general_gemm is
+    not None`` but the name is only bound when TE imports (NameError). Bind it to None, which is
+    what the check means. No-op with TE installed or on versions that define the name."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def build_model_chunks(args, config, vocab_size: int) -> list:
@@ -125,6 +179,7 @@ def build_model_chunks(args, config, vocab_size: int) -> list:
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    _define_missing_te_names()
     if args.transformer_impl == "transformer_engine":
         import transformer_engine  # noqa: F401  (validated at start-up)
     vpp = args.virtual_pipeline_model_parallel_size
@@ -144,7 +199,6 @@ def build_model_chunks(args, config, vocab_size: int) -> list:
             rotary_base=args.rotary_base,
             vp_stage=stage if vpp else None,
         )
-        chunk.model_type = getattr(chunk, "model_type", None)
         chunks.append(chunk)
     if args.device == "cuda":
         for chunk in chunks:
