@@ -234,6 +234,10 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None, *, de
         except ImportError:
             err("--moe-token-dispatcher-type flex needs DeepEP (the deep_ep package) on GPU; "
                 "use alltoall or install DeepEP")
+    if args.context_parallel_size > 1 and args.transformer_impl != "transformer_engine":
+        err(f"--context-parallel-size {args.context_parallel_size} needs transformer-engine's attention "
+            "(Megatron-Core's local attention has no context parallelism)"
+            + ("; on CPU it cannot run" if args.device == "cpu" else ""))
     if args.moe_token_dispatcher_type == "flex" and args.device == "cpu":
         err("--moe-token-dispatcher-type flex needs DeepEP on GPU; on CPU use alltoall")
 
@@ -336,6 +340,9 @@ def _check_layout(args, world: int, err) -> None:
                 args.virtual_pipeline_model_parallel_size = args.num_layers // (pp * vstage)
         else:
             args.virtual_pipeline_model_parallel_size = vranks
+    if args.virtual_pipeline_model_parallel_size is None:  # as upstream: only the interleaved schedule overlaps
+        args.overlap_p2p_comm = False
+        args.align_param_gather = False
     if (pp > 1 and args.decoder_first_pipeline_num_layers is None and args.pipeline_model_parallel_layout is None and args.decoder_last_pipeline_num_layers is None
             and args.num_layers % pp != 0):
         err(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")

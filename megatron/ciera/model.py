@@ -148,7 +148,7 @@ def _replace_norm(spec, old, new):
                 _replace_norm(value, old, new)
 
 
-def layer_spec(args, config):
+def layer_spec(args, config, vp_stage: int | None = None):
     """The decoder block spec Megatron-LM's pretrain_gpt.py would pick for this run (TE or local;
     dense and MoE layers per ``--moe-layer-freq``)."""
     import copy
@@ -157,7 +157,8 @@ def layer_spec(args, config):
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     use_te = args.transformer_impl == "transformer_engine"
-    spec = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=args.normalization)
+    spec = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=args.normalization,
+                                            vp_stage=vp_stage)
     if not use_te:
         spec = copy.deepcopy(spec)
         _replace_norm(spec, WrappedTorchNorm, _TorchNorm)
@@ -185,7 +186,7 @@ def build_model_chunks(args, config, vocab_size: int) -> list:
     vpp = args.virtual_pipeline_model_parallel_size
     chunks = []
     for stage in range(vpp or 1):
-        spec = layer_spec(args, config)
+        spec = layer_spec(args, config, vp_stage=stage if vpp else None)
         chunk = GPTModel(
             config=config,
             transformer_layer_spec=spec,
