@@ -20,9 +20,12 @@ __all__ = ["transformer_config", "ddp_config", "optimizer_config", "layer_spec",
 
 
 def _from_args(cls, args, **overrides):
-    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.init and hasattr(args, f.name)}
-    kw.update(overrides)
-    return cls(**kw)
+    """``cls`` with every init field that is also a flag's dest taken from ``args``, then
+    ``overrides`` (those that are fields of ``cls``; ``dataclasses.MISSING`` keeps the default)."""
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    kw = {name: getattr(args, name) for name in fields if hasattr(args, name)}
+    kw.update({k: v for k, v in overrides.items() if k in fields})
+    return cls(**{k: v for k, v in kw.items() if v is not dataclasses.MISSING})
 
 
 def _te_importable() -> bool:
@@ -78,13 +81,7 @@ def transformer_config(args):
     if args.transformer_impl == "local" and args.attention_backend == AttnBackend.auto:
         kw["attention_backend"] = AttnBackend.local
     kw.update(_cpu_overrides(args))
-    fields = {f.name for f in dataclasses.fields(cls) if f.init}
-    kw = {k: v for k, v in kw.items() if k in fields and v is not dataclasses.MISSING}
-    base = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
-            if f.init and hasattr(args, f.name) and f.name not in kw}
-    if args.rope_type is None:
-        base.pop("rope_type", None)
-    return cls(**base, **kw)
+    return _from_args(cls, args, **kw)
 
 
 def ddp_config(args):
