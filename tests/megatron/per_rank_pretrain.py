@@ -11,4 +11,6 @@ if __name__ == "__main__":
     extra = dict(item.split(":", 1) for item in os.environ.get("PER_RANK_FLAGS", "").split(";") if item)
     from megatron.ciera.training import main
 
+    print(f"per_rank_pretrain: rank {os.environ['RANK']} pid {os.getpid()}", flush=True)
+
     main(sys.argv[1:] + shlex.split(extra.get(os.environ["RANK"], "")))

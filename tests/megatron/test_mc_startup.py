@@ -44,19 +44,24 @@ def test_stopped_rank_ends_the_job_with_a_timeout():
     """Rank 1 stops itself (SIGSTOP) after start-up; rank 0's next collective times out after
     --distributed-timeout-minutes 1 and the launcher ends the job."""
     proc = _launch([*TINY, "--train-iters", "50", "--distributed-timeout-minutes", "1", "--log-interval", "1"])
-    start, stopped = time.time(), False
+    start, stopped, pids = time.time(), False, {}
     lines = []
     for line in proc.stdout:
         lines.append(line)
+        if line.startswith("per_rank_pretrain: rank "):
+            _, _, rank, _, pid = line.split()
+            pids[rank] = int(pid)
         if not stopped and " iteration        1/" in line:
-            pids = subprocess.run(["pgrep", "-f", "-s", str(os.getpgid(proc.pid)), "per_rank_pretrain.py"],
-                                  capture_output=True, text=True).stdout.split()
-            workers = sorted(int(p) for p in pids if int(p) != proc.pid)
-            os.kill(workers[-1], signal.SIGSTOP)
+            os.kill(pids["1"], signal.SIGSTOP)
             stopped = True
         if time.time() - start > 400:
             break
     proc.wait(timeout=120)
+    for pid in pids.values():  # a stopped process ignores the launcher's SIGTERM
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     out = "".join(lines)
     assert stopped and proc.returncode != 0, out[-3000:]
     assert time.time() - start < 400
