@@ -55,7 +55,7 @@ _HONOURED = {
     "micro_batch_size", "global_batch_size", "train_iters", "train_samples", "lr_decay_style",
     "lr_decay_iters", "lr_decay_samples", "lr_warmup_iters", "lr_warmup_samples", "lr_warmup_fraction",
     "lr_warmup_init", "start_weight_decay", "end_weight_decay", "weight_decay_incr_style", "seed",
-    "mock_data", "tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "distributed_backend",
+    "mock_data", "distributed_backend",
     "distributed_timeout_minutes", "num_layers_per_virtual_pipeline_stage",
     "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
     "decoder_last_pipeline_num_layers", "exit_interval", "exit_duration_in_mins", "use_cpu_initialization",
@@ -105,7 +105,7 @@ _FEATURE_PATTERNS = [
                    r"dist_ckpt_.*|ckpt_.*|auto_detect_ckpt_format|non_persistent_.*|pretrained_checkpoint|"
                    r"use_dist_ckpt|use_checkpoint_opt_param_scheduler|use_checkpoint_args|exit_on_missing_checkpoint|save_retain_interval|no_save_optim|no_save_rng|save_optim|save_rng"),
     ("eval", r"eval_interval|eval_iters|skip_train|full_validation|multiple_validation_sets|test_mode"),
-    ("data", r"split|data_path|train_data_path|valid_data_path|test_data_path|data_cache_path|num_workers|"
+    ("data", r"split|data_path|tokenizer_type|tokenizer_model|vocab_file|merge_file|vocab_extra_ids|train_data_path|valid_data_path|test_data_path|data_cache_path|num_workers|"
              r"per_split_data_args_path|data_args_path|mmap_bin_files|no_mmap_bin_files|create_attention_mask_in_dataloader|"
              r"reset_position_ids|reset_attention_mask|eod_mask_loss|num_dataset_builder_threads|"
              r"object_storage_cache_path|mid_level_dataset_surplus|dataloader_type|no_create_attention_mask_in_dataloader"),
@@ -145,3 +145,19 @@ def policy(dest: str) -> Policy:
     if dest in _HONOURED or dest in _config_fields():
         return _H
     return Policy(REJECTED, DEFAULT_REASON)
+
+
+def table() -> list[tuple[str, Policy]]:
+    """(first option string, policy) for every upstream flag, in upstream's order."""
+    from .arguments import upstream_flags
+
+    return [(flag["options"][0], policy(flag["dest"])) for flag in upstream_flags()]
+
+
+if __name__ == "__main__":  # python -m megatron.ciera.flag_policy: the whole table, then counts
+    import collections
+
+    rows = table()
+    for option, pol in rows:
+        print(f"{option:55s} {pol.kind:20s} {pol.reason}")
+    print(dict(collections.Counter(pol.kind for _, pol in rows)))
