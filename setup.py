@@ -18,7 +18,7 @@ setup(
     python_requires=">=3.10",
     packages=find_namespace_packages(include=["ciera", "ciera.*", "megatron.ciera", "megatron.ciera.*"]),
     py_modules=["pretrain_gpt"],
-    package_data={"megatron.ciera": ["upstream_flags.json"]},  # the upstream flag table the parser reads
+    package_data={"megatron.ciera": ["upstream_flags*.json"]},  # the upstream flag tables the parser reads
     install_requires=[
         "torch>=2.4",
         "megatron-core>=0.16.1",

@@ -7,6 +7,9 @@ installed megatron-core (the table in the repo: tag ``core_v0.16.1``):
 
     git -C Megatron-LM archive core_v0.16.1 megatron | tar -x -C /tmp/up016
     python tools/dump_upstream_flags.py /tmp/up016 core_v0.16.1
+    python3.12 tools/dump_upstream_flags.py /tmp/up019 core_v0.19.0 megatron/ciera/upstream_flags_core_v0.19.0.json
+
+(0.17+ needs Python 3.12 and that megatron-core installed: ``make test-megatron-latest``'s venv.)
 
 Only upstream's parser is executed (``add_megatron_arguments`` on a fresh ArgumentParser); no code
 of it is copied. Types are recorded by name (int/float/str/bool) or ``"custom"`` for upstream's
@@ -71,7 +74,7 @@ def _import_parser_builder():
     raise RuntimeError("could not import upstream's arguments module")
 
 
-def main(checkout: str, tag: str) -> None:
+def main(checkout: str, tag: str, out: str | None = None) -> None:
     sys.path.insert(0, checkout)
     add_megatron_arguments = _import_parser_builder()
 
@@ -92,11 +95,11 @@ def main(checkout: str, tag: str) -> None:
             "nargs": action.nargs,
             "choices": _plain(list(action.choices)) if action.choices is not None else None,
         })
-    out = ROOT / "megatron" / "ciera" / "upstream_flags.json"
+    out = Path(out) if out else ROOT / "megatron" / "ciera" / "upstream_flags.json"
     out.write_text(json.dumps({"source": f"NVIDIA/Megatron-LM {tag} megatron/training/arguments.py "
                                          "(add_megatron_arguments)", "flags": flags}, indent=0) + "\n")
     print(f"{len(flags)} flags -> {out}")
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])

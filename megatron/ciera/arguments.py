@@ -1,6 +1,6 @@
 """Command line of ``pretrain_gpt.py``: Megatron-LM's own flags plus ``--ciera-*``.
 
-The parser is built from ``upstream_flags.json`` (every flag of Megatron-LM
+The parser is built from ``upstream_flags*.json`` (every flag of Megatron-LM
 ``megatron/training/arguments.py`` at the release matching the installed megatron-core, with
 upstream's option strings, dest, type, default, nargs and choices; regenerate it with
 ``tools/dump_upstream_flags.py``). What each value does is :mod:`megatron.ciera.flag_policy`'s
@@ -24,7 +24,26 @@ from . import flag_policy
 
 __all__ = ["build_parser", "parse_args", "validate_args", "ciera_config_from_args", "upstream_flags"]
 
-_TABLE = Path(__file__).with_name("upstream_flags.json")
+_HERE = Path(__file__).parent
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in re.findall(r"\d+", text)[:3])
+
+
+@functools.lru_cache(maxsize=None)
+def _table_path() -> Path:
+    """The upstream flag table of the newest release not newer than the installed megatron-core
+    (``upstream_flags.json`` is core_v0.16.1's; ``upstream_flags_core_vX.Y.Z.json`` newer ones)."""
+    from importlib.metadata import version
+
+    installed = _version(version("megatron-core"))
+    best, best_version = _HERE / "upstream_flags.json", (0, 16, 1)
+    for path in _HERE.glob("upstream_flags_core_v*.json"):
+        v = _version(path.stem.rsplit("_v", 1)[1])
+        if best_version < v <= installed:
+            best, best_version = path, v
+    return best
 
 
 def _moe_layer_freq(text: str):
@@ -65,7 +84,7 @@ _CUSTOM_TYPES = {"moe_layer_freq": _moe_layer_freq, "attention_backend": _attn_b
 @functools.lru_cache(maxsize=None)
 def upstream_flags() -> tuple[dict, ...]:
     """The upstream flag table (one dict per flag: options, dest, action, type, default, ...)."""
-    return tuple(json.loads(_TABLE.read_text())["flags"])
+    return tuple(json.loads(_table_path().read_text())["flags"])
 
 
 def _upstream_default(flag: dict):

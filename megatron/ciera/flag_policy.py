@@ -50,7 +50,7 @@ _H = Policy(HONOURED)
 _HONOURED = {
     "seq_length", "max_position_embeddings", "position_embedding_type", "rotary_base", "rotary_percent",
     "rotary_interleaved", "swiglu", "untie_embeddings_and_output_weights", "deprecated_use_mcore_models",
-    "add_position_embedding", "enable_gloo_process_groups", "check_weight_hash_across_dp_replicas_interval",
+    "add_position_embedding", "enable_gloo_process_groups", "use_gloo_process_groups", "check_weight_hash_across_dp_replicas_interval",
     "vocab_size", "make_vocab_size_divisible_by", "num_experts", "group_query_attention",
     "micro_batch_size", "global_batch_size", "train_iters", "train_samples", "lr_decay_style",
     "lr_decay_iters", "lr_decay_samples", "lr_warmup_iters", "lr_warmup_samples", "lr_warmup_fraction",
@@ -76,7 +76,7 @@ _GPU = {
     "moe_router_fusion", "use_flash_attn", "tp_comm_overlap", "tp_comm_bulk_wgrad", "tp_comm_bulk_dgrad",
     "tp_comm_overlap_ag", "tp_comm_overlap_rs", "tp_comm_split_ag", "tp_comm_split_rs",
     "tp_comm_overlap_rs_dgrad", "tp_comm_overlap_cfg", "overlap_moe_expert_parallel_comm",
-    "delay_wgrad_compute", "cuda_graph_impl", "cuda_graph_scope", "external_cuda_graph", "enable_cuda_graph",
+    "delay_wgrad_compute", "cuda_graph_impl", "cuda_graph_scope", "cuda_graph_scope_deprecated", "external_cuda_graph", "enable_cuda_graph",
     "cuda_graph_warmup_steps", "fp8", "fp8_recipe", "fp8_margin", "fp8_interval", "fp8_amax_history_len",
     "fp8_amax_compute_algo", "fp8_wgrad", "fp8_param", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
     "num_layers_at_end_in_bf16", "te_rng_tracker", "moe_use_legacy_grouped_gemm", "use_te_activation_func",
