@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup native demo test test-all bench testbed-setup demo-cluster bench-cluster
+.PHONY: setup native demo test test-all bench test-megatron-latest testbed-setup demo-cluster bench-cluster
 
 setup: $(VENV)/.installed
 
@@ -48,3 +48,15 @@ demo-cluster: setup
 # the reference codecs: forced delta runs dominate). Writes outputs/bench-cluster/bench_cluster.{md,png}.
 bench-cluster: setup
 	$(BIN)/python tools/testbed/bench_cluster.py --out-dir outputs/bench-cluster
+
+# The Megatron tests on the newest megatron-core (needs Python >= 3.12; torch for 3.12 comes from
+# PyPI as its default CUDA build, which runs on CPU). Separate venv; CI stays on 0.16.1 / 3.11.
+PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+VENV312 ?= .venv312
+test-megatron-latest:
+	$(PYTHON312) -m venv $(VENV312)
+	$(VENV312)/bin/python -m pip install -q --upgrade pip setuptools wheel
+	$(VENV312)/bin/python -m pip install -q --upgrade torch megatron-core
+	$(VENV312)/bin/python -m pip install -q -e '.[triton,dev]'
+	$(VENV312)/bin/python -c "import megatron.core, torch; print('megatron-core', megatron.core.__version__, 'torch', torch.__version__)"
+	$(VENV312)/bin/python -m pytest -q tests/megatron

@@ -47,6 +47,7 @@ setup(
     py_modules=["pretrain_gpt"],
     ext_modules=[NATIVE],
     cmdclass={"build_ext": BuildNative},
+    package_data={"megatron.ciera": ["upstream_flags*.json"]},  # the upstream flag tables the parser reads
     install_requires=[
         "torch>=2.4",
         "megatron-core>=0.16.1",

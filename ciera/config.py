@@ -76,6 +76,17 @@ class CieraConfig:
         if self.hysteresis < 0:
             bad(f"hysteresis={self.hysteresis} must be >= 0")
 
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """The fields :meth:`field_digests` covers, in its order (prefixed ``config.``)."""
+        return tuple(f"config.{f.name}" for f in dataclasses.fields(cls))
+
+    def field_digests(self) -> list[int]:
+        """One 63-bit digest per field (order of :meth:`field_names`), so that ranks comparing
+        them can name the field that differs (process-independent)."""
+        return [int.from_bytes(hashlib.sha256(repr(getattr(self, f.name)).encode()).digest()[:8], "little") >> 1
+                for f in dataclasses.fields(self)]
+
     def fingerprint(self) -> int:
         """A 63-bit digest of every field, equal on ranks with equal configs (process-independent)."""
         text = repr(sorted(dataclasses.asdict(self).items()))

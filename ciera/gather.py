@@ -281,16 +281,18 @@ class CieraAllGather:
 
     def _check_agreement(self) -> None:
         mine = torch.tensor(
-            [self.config.fingerprint(), _DTYPE_CODES[self.buffer.dtype], self.buffer.numel(), self.world],
+            [*self.config.field_digests(), _DTYPE_CODES[self.buffer.dtype], self.buffer.numel(), self.world],
             dtype=torch.int64, device=self.buffer.device,
         )
         everyone = torch.empty(self.world * mine.numel(), dtype=torch.int64, device=self.buffer.device)
         all_gather_into(everyone, mine, group=self.group)
         rows = everyone.view(self.world, -1).cpu().tolist()
-        fields = ("config", "dtype", "numel", "group size")
+        fields = (*type(self.config).field_names(), "dtype", "numel", "group size")
         for r, row in enumerate(rows):
             for f, a, b in zip(fields, rows[self.rank], row):
                 if a != b:
+                    if f.startswith("config."):  # digests compared; show this rank's value
+                        a, b = repr(getattr(self.config, f[len("config."):])), "a different value"
                     raise ValueError(
                         f"{self.name}: ranks disagree on {f}: rank {self.rank} has {a}, rank {r} has {b} "
                         f"(every rank of the group must build CieraAllGather with the same config, "

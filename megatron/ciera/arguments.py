@@ -1,8 +1,11 @@
-"""Command line of ``pretrain_gpt.py``: Megatron-LM's flag names plus the ``--ciera-*`` flags.
+"""Command line of ``pretrain_gpt.py``: Megatron-LM's own flags plus ``--ciera-*``.
 
-Only the flags our launch scripts use are accepted; anything else is an error (argparse rejects
-unknown flags), so a misspelled option never silently trains a different model. Validation
-errors name the flags involved and show the arithmetic that failed.
+The parser is built from ``upstream_flags*.json`` (every flag of Megatron-LM
+``megatron/training/arguments.py`` at the release matching the installed megatron-core, with
+upstream's option strings, dest, type, default, nargs and choices; regenerate it with
+``tools/dump_upstream_flags.py``). What each value does is :mod:`megatron.ciera.flag_policy`'s
+table: honoured, GPU-only, a feature module's, or rejected with a reason. Unknown flags are
+argparse errors; validation errors name the flags and show the arithmetic.
 
     args = parse_args(["--num-layers", "2", ...])
     ciera_config = ciera_config_from_args(args)   # None without --ciera-allgather
@@ -11,10 +14,36 @@ errors name the flags involved and show the arithmetic that failed.
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import os
 import re
+from pathlib import Path
 
-__all__ = ["build_parser", "parse_args", "validate_args", "ciera_config_from_args"]
+from . import flag_policy
+
+__all__ = ["build_parser", "parse_args", "validate_args", "ciera_config_from_args", "upstream_flags"]
+
+_HERE = Path(__file__).parent
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in re.findall(r"\d+", text)[:3])
+
+
+@functools.lru_cache(maxsize=None)
+def _table_path() -> Path:
+    """The upstream flag table of the newest release not newer than the installed megatron-core
+    (``upstream_flags.json`` is core_v0.16.1's; ``upstream_flags_core_vX.Y.Z.json`` newer ones)."""
+    from importlib.metadata import version
+
+    installed = _version(version("megatron-core"))
+    best, best_version = _HERE / "upstream_flags.json", (0, 16, 1)
+    for path in _HERE.glob("upstream_flags_core_v*.json"):
+        v = _version(path.stem.rsplit("_v", 1)[1])
+        if best_version < v <= installed:
+            best, best_version = path, v
+    return best
 
 
 def _moe_layer_freq(text: str):
@@ -33,117 +62,87 @@ def _moe_layer_freq(text: str):
     return value
 
 
+def _attn_backend(text: str):
+    from megatron.core.transformer.enums import AttnBackend
+
+    try:
+        return AttnBackend[text]
+    except KeyError:
+        raise argparse.ArgumentTypeError(
+            f"invalid --attention-backend {text!r}: choose from {', '.join(b.name for b in AttnBackend)}") from None
+
+
+def _int_tuple(text: str):
+    return tuple(int(v) for v in text.strip("()[] ").split(",") if v.strip())
+
+
+# Upstream's own converters (recorded as "custom" in the table): ours, with the same meaning.
+_CUSTOM_TYPES = {"moe_layer_freq": _moe_layer_freq, "attention_backend": _attn_backend, "window_size": _int_tuple,
+                 "exit_signal": int}
+
+
+@functools.lru_cache(maxsize=None)
+def upstream_flags() -> tuple[dict, ...]:
+    """The upstream flag table (one dict per flag: options, dest, action, type, default, ...)."""
+    return tuple(json.loads(_table_path().read_text())["flags"])
+
+
+def _upstream_default(flag: dict):
+    if flag["dest"] == "attention_backend":
+        from megatron.core.transformer.enums import AttnBackend
+
+        return AttnBackend.auto
+    if flag["type"] == "custom" and isinstance(flag["default"], str) and flag["default"].startswith("<"):
+        return None
+    return flag["default"]
+
+
+def _add_upstream(group, flag: dict) -> None:
+    kw = {"dest": flag["dest"], "default": _upstream_default(flag)}
+    action = flag["action"]
+    if action in ("storetrue", "storefalse"):
+        kw["action"] = "store_true" if action == "storetrue" else "store_false"
+    elif action == "booleanoptional":
+        kw["action"] = argparse.BooleanOptionalAction
+    else:
+        typ = flag["type"]
+        kw["type"] = _CUSTOM_TYPES.get(flag["dest"], str) if typ == "custom" else {
+            "int": int, "float": float, "str": str, "bool": _bool, None: None}[typ]
+        if flag["nargs"] is not None:
+            kw["nargs"] = flag["nargs"]
+        if flag["choices"] is not None and typ != "custom":
+            kw["choices"] = flag["choices"]
+    group.add_argument(*flag["options"], **kw)
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes"):
+        return True
+    if text.lower() in ("0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pretrain_gpt.py",
-        description="GPT / MoE pretraining on Megatron-Core with the CIERA compressed parameter all-gather",
+        description="GPT / MoE pretraining on Megatron-Core with the CIERA compressed parameter all-gather. "
+                    "Megatron-LM's flags keep upstream's names, types and defaults (see upstream's "
+                    "megatron/training/arguments.py); only the flags below the 'CIERA' heading are ours.",
         allow_abbrev=False,
     )
+    g = p.add_argument_group("Megatron-LM (upstream names, types and defaults)")
+    seen = set()
+    for flag in upstream_flags():
+        options = [o for o in flag["options"] if o not in seen]
+        if options:
+            seen.update(options)
+            _add_upstream(g, dict(flag, options=options))
 
-    g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, required=True)
-    g.add_argument("--hidden-size", type=int, required=True)
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden size")
-    g.add_argument("--num-attention-heads", type=int, required=True)
-    g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=int, default=1)
-    g.add_argument("--kv-channels", type=int, default=None, help="default: hidden / heads")
-    g.add_argument("--seq-length", type=int, required=True)
-    g.add_argument("--max-position-embeddings", type=int, default=None, help="default: seq length")
-    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
-    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"], default="learned_absolute")
-    g.add_argument("--rotary-base", type=int, default=10000)
-    g.add_argument("--rotary-percent", type=float, default=1.0)
-    g.add_argument("--swiglu", action="store_true")
-    g.add_argument("--disable-bias-linear", action="store_true")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--use-mcore-models", action="store_true", help="accepted for compatibility (always Megatron-Core)")
-    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local")
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--vocab-size", type=int, default=None, help="with --tokenizer-type NullTokenizer")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-
-    g = p.add_argument_group("mixture of experts")
-    g.add_argument("--num-experts", type=int, default=None)
-    g.add_argument("--moe-router-topk", type=int, default=2)
-    g.add_argument("--moe-ffn-hidden-size", type=int, default=None)
-    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
-    g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"], default="aux_loss")
-    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
-    g.add_argument("--moe-router-pre-softmax", action="store_true",
-                   help="softmax before top-k (megatron-core requires it for top-1 routing)")
-    g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall"], default="allgather")
-    g.add_argument("--moe-layer-freq", type=_moe_layer_freq, default=1)
-    g.add_argument("--moe-grouped-gemm", action="store_true", help="needs transformer-engine / grouped_gemm")
-    g.add_argument("--expert-model-parallel-size", type=int, default=1)
-
-    g = p.add_argument_group("parallelism and precision")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--overlap-grad-reduce", action="store_true")
-    g.add_argument("--overlap-param-gather", action="store_true")
-    g.add_argument("--ddp-bucket-size", type=int, default=None, help="elements per DDP bucket (with --overlap-grad-reduce)")
-    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--fp16", action="store_true")
-    g.add_argument("--loss-scale", type=float, default=None, help="fp16 static loss scale (default: dynamic)")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
-    g.add_argument("--min-loss-scale", type=float, default=1.0)
-    g.add_argument("--loss-scale-window", type=float, default=1000)
-    g.add_argument("--hysteresis", type=int, default=2)
-    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None, help="default: nccl on cuda, gloo on cpu")
+    g = p.add_argument_group("CIERA and this entry point")
     g.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when available, else cpu")
-
-    g = p.add_argument_group("optimizer and schedule")
-    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
-    g.add_argument("--lr", type=float, required=True)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"], default="linear")
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--sgd-momentum", type=float, default=0.9)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--deterministic-mode", action="store_true",
-                   help="deterministic kernels (GPU: needed to compare two runs bit for bit; CPU runs are deterministic anyway)")
-
-    g = p.add_argument_group("data")
-    g.add_argument("--mock-data", action="store_true")
-    g.add_argument("--data-path", nargs="*", default=None, help="[weight] prefix ... of .bin/.idx datasets")
-    g.add_argument("--split", default="969,30,1")
-    g.add_argument("--data-cache-path", default=None)
-    g.add_argument("--tokenizer-type", default=None,
-                   help="NullTokenizer (needs --vocab-size, no files) or HuggingFaceTokenizer (--tokenizer-model)")
-    g.add_argument("--tokenizer-model", default=None)
-    g.add_argument("--vocab-file", default=None)
-    g.add_argument("--merge-file", default=None)
-    g.add_argument("--num-workers", type=int, default=0, help="accepted; data loads in the main process")
-    g.add_argument("--micro-batch-size", type=int, required=True)
-    g.add_argument("--global-batch-size", type=int, default=None, help="default: micro x data-parallel size")
-    g.add_argument("--train-iters", type=int, required=True)
-    g.add_argument("--eval-iters", type=int, default=0, help="accepted; no evaluation runs")
-    g.add_argument("--eval-interval", type=int, default=None, help="accepted; no evaluation runs")
-
-    g = p.add_argument_group("checkpoints and logging")
-    g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--ckpt-step", type=int, default=None, help="with --load: this iteration instead of the latest")
-    g.add_argument("--exit-interval", type=int, default=None, help="stop (after saving) at an iteration multiple of this")
-    g.add_argument("--log-interval", type=int, default=100)
-    g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--ciera-loss-log", default=None, metavar="FILE",
                    help="rank 0 writes 'iteration loss.hex()' per iteration (exact comparisons)")
-
-    g = p.add_argument_group("CIERA compressed parameter all-gather")
     g.add_argument("--ciera-allgather", action="store_true", help="gather parameters with CIERA (needs --use-distributed-optimizer)")
     g.add_argument("--ciera-codec", choices=["raw", "exponent_reuse", "delta", "auto"], default=None)
     g.add_argument("--ciera-block-size", type=int, default=None)
@@ -159,20 +158,108 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def validate_args(args: argparse.Namespace, world_size: int | None = None) -> argparse.Namespace:
-    """Check flag combinations and fill derived defaults (in place, returns ``args``).
+def _option(dest: str) -> str:
+    for flag in upstream_flags():
+        if flag["dest"] == dest:
+            return flag["options"][0]
+    return "--" + dest.replace("_", "-")
 
-    Raises ``ValueError`` whose message names the flags and shows the numbers."""
+
+def _te_installed() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _check_policies(args, err) -> list[str]:
+    """Rejected flags set to a non-default value are errors; returns the GPU-only flags set to a
+    non-default value (reported on CPU)."""
+    gpu_only, seen = [], set()
+    for flag in upstream_flags():
+        if flag["dest"] in seen:  # a dest two flags share takes the first one's default
+            continue
+        seen.add(flag["dest"])
+        value = getattr(args, flag["dest"])
+        if value == _upstream_default(flag):
+            continue
+        pol = flag_policy.policy(flag["dest"])
+        if pol.kind == flag_policy.REJECTED:
+            err(f"{flag['options'][0]}: {pol.reason}")
+        elif pol.kind == flag_policy.GPU:
+            gpu_only.append(flag["options"][0])
+    return gpu_only
+
+
+def _resolve_device(args, device, te_available) -> None:
+    """Device, backend, transformer implementation and the GPU-only choices the run will use."""
+    import torch
+
+    args.device = device or args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    explicit_backend = args.distributed_backend if "distributed_backend" in args.explicit else None
+    args.distributed_backend = explicit_backend or ("nccl" if args.device == "cuda" else "gloo")
+    te = _te_installed() if te_available is None else te_available
+    if args.device == "cpu" or not te:
+        # upstream's default is transformer_engine; without TE (or on CPU) the local spec runs.
+        args.transformer_impl_requested = args.transformer_impl
+        if "transformer_impl" not in args.explicit or args.device == "cpu":
+            args.transformer_impl = "local"
+    args.te_available = te
+
+
+def validate_args(args: argparse.Namespace, world_size: int | None = None, *, device: str | None = None,
+                  te_available: bool | None = None) -> argparse.Namespace:
+    """Check flag combinations and fill derived values (in place, returns ``args``).
+
+    ``device`` / ``te_available`` override what this machine has (to validate the run a GPU
+    node would do). Raises ``ValueError`` whose message names the flags and shows the numbers."""
     world = _world_size() if world_size is None else world_size
+    if not hasattr(args, "explicit"):
+        args.explicit = set()
     errors = []
+    err = errors.append
 
-    def err(msg):
-        errors.append(msg)
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr"):
+        if getattr(args, name) is None:
+            err(f"{_option(name)} is required")
+    if args.train_iters is None and args.train_samples is None:
+        err("give --train-iters or --train-samples")
+    if errors:
+        raise ValueError("invalid arguments:\n  " + "\n  ".join(errors))
 
-    if args.tensor_model_parallel_size != 1:
-        err(f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: only 1 is supported")
-    if args.pipeline_model_parallel_size != 1:
-        err(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: only 1 is supported")
+    gpu_only = _check_policies(args, err)
+    _resolve_device(args, device, te_available)
+    if args.device == "cpu":
+        args.cpu_ignored = gpu_only + (["--transformer-impl transformer_engine"]
+                                       if args.transformer_impl_requested == "transformer_engine"
+                                       and "transformer_impl" in args.explicit else [])
+    else:
+        args.cpu_ignored = []
+        if args.transformer_impl == "transformer_engine" and not args.te_available:
+            err("--transformer-impl transformer_engine: transformer-engine is not installed "
+                "(pip install transformer-engine, or --transformer-impl local)")
+        if not args.te_available:
+            for dest, needs in (("moe_grouped_gemm", "TEGroupedMLP"), ("fp8_format", "FP8"), ("moe_permute_fusion",
+                                "the fused permutation"), ("cuda_graph_impl", "CUDA graphs"), ("external_cuda_graph",
+                                "CUDA graphs"), ("apply_rope_fusion", "the fused RoPE")):
+                if dest in args.explicit and getattr(args, dest) not in (None, False, "none"):
+                    err(f"{_option(dest)} needs transformer-engine ({needs}), which is not installed")
+    if args.device == "cpu" and args.distributed_backend == "nccl":
+        err("--device cpu needs --distributed-backend gloo")
+    if args.moe_token_dispatcher_type == "flex" and args.device == "cuda":
+        try:
+            import deep_ep  # noqa: F401
+        except ImportError:
+            err("--moe-token-dispatcher-type flex needs DeepEP (the deep_ep package) on GPU; "
+                "use alltoall or install DeepEP")
+    if args.context_parallel_size > 1 and args.transformer_impl != "transformer_engine":
+        err(f"--context-parallel-size {args.context_parallel_size} needs transformer-engine's attention "
+            "(Megatron-Core's local attention has no context parallelism)"
+            + ("; on CPU it cannot run" if args.device == "cpu" else ""))
+    if args.moe_token_dispatcher_type == "flex" and args.device == "cpu":
+        err("--moe-token-dispatcher-type flex needs DeepEP on GPU; on CPU use alltoall")
+
     if args.bf16 and args.fp16:
         err("--bf16 and --fp16 are mutually exclusive")
     if args.overlap_param_gather and not args.use_distributed_optimizer:
@@ -189,73 +276,180 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     if args.ciera_snapshot_interval is not None and args.ciera_snapshot_interval < 1:
         err(f"--ciera-snapshot-interval {args.ciera_snapshot_interval} must be >= 1")
 
-    tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
-    if world % (tp * pp) != 0:
-        err(f"world size {world} is not divisible by tensor x pipeline parallel size {tp} x {pp} = {tp * pp}")
-    dp = max(world // (tp * pp), 1)
-    args.world_size, args.data_parallel_size = world, dp
-    if ep < 1 or dp % ep != 0:
-        err(f"data-parallel size {dp} (world {world} / (tp {tp} x pp {pp})) is not divisible by "
-            f"--expert-model-parallel-size {ep}")
-    if ep > 1 and args.num_experts is None:
-        err(f"--expert-model-parallel-size {ep} needs --num-experts")
-    if args.num_experts is not None:
-        if args.num_experts % ep != 0:
-            err(f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size {ep}")
-        if not 1 <= args.moe_router_topk <= args.num_experts:
-            err(f"--moe-router-topk {args.moe_router_topk} must be in [1, --num-experts {args.num_experts}]")
-        if isinstance(args.moe_layer_freq, list) and len(args.moe_layer_freq) != args.num_layers:
-            err(f"--moe-layer-freq gives {len(args.moe_layer_freq)} layers, --num-layers is {args.num_layers}")
-        if ep > 1 and args.moe_token_dispatcher_type != "alltoall":
-            err(f"--expert-model-parallel-size {ep} needs --moe-token-dispatcher-type alltoall")
-    if args.moe_grouped_gemm:
-        err("--moe-grouped-gemm is not supported by this entry point (local spec, no grouped_gemm)")
-
-    if args.hidden_size % args.num_attention_heads != 0 and args.kv_channels is None:
-        err(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
-            f"{args.num_attention_heads}; give --kv-channels")
-    if args.group_query_attention and args.num_attention_heads % args.num_query_groups != 0:
-        err(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
-            f"--num-query-groups {args.num_query_groups}")
-
-    if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size * dp
-    per_step = args.micro_batch_size * dp
-    if args.global_batch_size % per_step != 0:
-        err(f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
-            f"{args.micro_batch_size} x data-parallel size {dp} = {per_step}")
-    args.num_microbatches = max(args.global_batch_size // per_step, 1)
+    _check_layout(args, world, err)
+    _check_model(args, err)
+    _check_batch_and_schedule(args, err)
 
     if args.mock_data == bool(args.data_path):
         err("give exactly one of --mock-data and --data-path")
     if args.tokenizer_type is None:
-        args.tokenizer_type = "NullTokenizer"
+        args.tokenizer_type = "NullTokenizer" if args.vocab_size is not None else "GPT2BPETokenizer"
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
         err("--tokenizer-type NullTokenizer needs --vocab-size")
-    if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
-        err("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model")
-    if args.tokenizer_type not in ("NullTokenizer", "HuggingFaceTokenizer"):
-        err(f"--tokenizer-type {args.tokenizer_type}: supported are NullTokenizer and HuggingFaceTokenizer")
-
     if args.save_interval is not None and args.save is None:
         err("--save-interval needs --save")
     if args.save_interval is not None and args.save_interval < 1:
         err(f"--save-interval {args.save_interval} must be >= 1")
     if args.log_interval < 1:
         err(f"--log-interval {args.log_interval} must be >= 1")
-    if args.train_iters < 1:
-        err(f"--train-iters {args.train_iters} must be >= 1")
-    if args.device == "cpu" and args.distributed_backend == "nccl":
-        err("--device cpu needs --distributed-backend gloo")
+    if args.distributed_timeout_minutes is not None and args.distributed_timeout_minutes <= 0:
+        err(f"--distributed-timeout-minutes {args.distributed_timeout_minutes} must be > 0")
 
     if args.ciera_allgather and not errors:
         try:
             ciera_config_from_args(args)
         except ValueError as exc:
             err(f"--ciera-* flags: {exc}")
+    if not errors:
+        _fill_model_defaults(args)
+        try:  # the configs training builds: their own checks run now, on every rank
+            from . import model
 
+            model.transformer_config(args)
+            model.ddp_config(args)
+            model.optimizer_config(args)
+        except Exception as exc:  # noqa: BLE001 - any failure of the config's own checks is reported
+            err(f"megatron-core rejects this configuration: {type(exc).__name__}: {exc}")
     if errors:
         raise ValueError("invalid arguments:\n  " + "\n  ".join(errors))
+    return args
+
+
+def _check_layout(args, world: int, err) -> None:
+    """TP / PP (+ virtual) / CP / EP / ETP sizes against the world (Megatron-Core's rank layout)."""
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    ep = args.expert_model_parallel_size
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = tp
+    etp = args.expert_tensor_parallel_size
+    for name, v in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
+                    ("context_parallel_size", cp), ("expert_model_parallel_size", ep),
+                    ("expert_tensor_parallel_size", etp)):
+        if v < 1:
+            err(f"{_option(name)} {v} must be >= 1")
+            return
+    if world % (tp * pp * cp) != 0:
+        err(f"world size {world} is not divisible by tensor x pipeline x context parallel size "
+            f"{tp} x {pp} x {cp} = {tp * pp * cp}")
+    if world % (etp * ep * pp) != 0:
+        err(f"world size {world} is not divisible by expert-tensor x expert x pipeline parallel size "
+            f"{etp} x {ep} x {pp} = {etp * ep * pp}")
+    args.world_size = world
+    args.data_parallel_size = max(world // (tp * pp * cp), 1)
+    args.expert_data_parallel_size = max(world // (etp * ep * pp), 1)
+    if ep > 1 and args.num_experts is None:
+        err(f"--expert-model-parallel-size {ep} needs --num-experts")
+    if tp == 1 and args.sequence_parallel:
+        args.sequence_parallel = False  # as upstream: nothing to split at TP 1
+    if args.num_experts is not None and tp > 1 and not args.sequence_parallel:
+        err(f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel (as in Megatron-LM)")
+
+    vstage, vranks = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
+    args.virtual_pipeline_model_parallel_size = None
+    if vstage is not None and vranks is not None:
+        err("--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank are exclusive")
+    elif vstage is not None or vranks is not None:
+        if pp < 2:
+            err("the interleaved schedule (virtual pipeline stages) needs --pipeline-model-parallel-size >= 2")
+        elif vstage is not None:
+            if args.num_layers % (pp * vstage) != 0:
+                err(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
+                    f"--num-layers-per-virtual-pipeline-stage {vstage} = {pp * vstage}")
+            else:
+                args.virtual_pipeline_model_parallel_size = args.num_layers // (pp * vstage)
+        else:
+            args.virtual_pipeline_model_parallel_size = vranks
+    if args.virtual_pipeline_model_parallel_size is None:  # as upstream: only the interleaved schedule overlaps
+        args.overlap_p2p_comm = False
+        args.align_param_gather = False
+    if (pp > 1 and args.decoder_first_pipeline_num_layers is None and args.pipeline_model_parallel_layout is None and args.decoder_last_pipeline_num_layers is None
+            and args.num_layers % pp != 0):
+        err(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+
+
+def _check_model(args, err) -> None:
+    tp = args.tensor_model_parallel_size
+    if args.hidden_size % args.num_attention_heads != 0 and args.kv_channels is None:
+        err(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+            f"{args.num_attention_heads}; give --kv-channels")
+    if args.num_attention_heads % tp != 0:
+        err(f"--num-attention-heads {args.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}")
+    if args.group_query_attention:
+        if args.num_attention_heads % args.num_query_groups != 0:
+            err(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+                f"--num-query-groups {args.num_query_groups}")
+        if args.num_query_groups % tp != 0:
+            err(f"--num-query-groups {args.num_query_groups} is not divisible by --tensor-model-parallel-size {tp}")
+    if args.num_experts is not None:
+        ep = args.expert_model_parallel_size
+        if args.num_experts % ep != 0:
+            err(f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size {ep}")
+        if not 1 <= args.moe_router_topk <= args.num_experts:
+            err(f"--moe-router-topk {args.moe_router_topk} must be in [1, --num-experts {args.num_experts}]")
+        if isinstance(args.moe_layer_freq, list) and len(args.moe_layer_freq) != args.num_layers:
+            err(f"--moe-layer-freq gives {len(args.moe_layer_freq)} layers, --num-layers is {args.num_layers}")
+    for name in ("moe_aux_loss_coeff", "moe_router_load_balancing_type"):  # nargs='+': one value is a scalar
+        value = getattr(args, name)
+        if isinstance(value, list) and len(value) == 1:
+            setattr(args, name, value[0])
+    if args.moe_ffn_hidden_size is None and args.num_experts is not None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    if not args.add_position_embedding and args.position_embedding_type == "learned_absolute":
+        args.position_embedding_type = "none"  # upstream's reading of the deprecated --no-position-embedding
+
+
+def _check_batch_and_schedule(args, err) -> None:
+    """Batch sizes (positive, divisible), iterations from samples, LR schedule lengths."""
+    dp, mbs = args.data_parallel_size, args.micro_batch_size
+    if mbs < 1:
+        err(f"--micro-batch-size {mbs} must be >= 1")
+        return
+    if args.global_batch_size is None:
+        args.global_batch_size = mbs * dp
+    gbs = args.global_batch_size
+    if gbs < 1:
+        err(f"--global-batch-size {gbs} must be >= 1")
+        return
+    per_step = mbs * dp
+    if gbs % per_step != 0:
+        err(f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x data-parallel size "
+            f"{dp} = {per_step}")
+    args.num_microbatches = max(gbs // per_step, 1)
+    pp = args.pipeline_model_parallel_size
+    if args.virtual_pipeline_model_parallel_size and args.num_microbatches % pp != 0:
+        err(f"the interleaved schedule needs the number of micro batches ({args.num_microbatches}) to be a "
+            f"multiple of --pipeline-model-parallel-size {pp}")
+
+    if args.train_iters is not None and args.train_samples is not None:
+        err("--train-iters and --train-samples are exclusive")
+    if args.train_iters is None and args.train_samples is not None:
+        if args.train_samples < 1:
+            err(f"--train-samples {args.train_samples} must be >= 1")
+        args.train_iters = max(args.train_samples // gbs, 1)
+    if args.train_iters is not None and args.train_iters < 1:
+        err(f"--train-iters {args.train_iters} must be >= 1")
+    iters_mode = args.train_samples is None
+    if iters_mode and (args.lr_decay_samples is not None or args.lr_warmup_samples):
+        err("--lr-decay-samples / --lr-warmup-samples go with --train-samples (as in Megatron-LM)")
+    if not iters_mode and (args.lr_decay_iters is not None or args.lr_warmup_iters):
+        err("--lr-decay-iters / --lr-warmup-iters go with --train-iters (as in Megatron-LM)")
+    if args.lr_warmup_fraction is not None and (args.lr_warmup_iters or args.lr_warmup_samples):
+        err("--lr-warmup-fraction is exclusive with --lr-warmup-iters / --lr-warmup-samples")
+    # Scheduler lengths in samples (the scheduler steps by the global batch size).
+    if iters_mode:
+        args.lr_decay_steps = (args.lr_decay_iters or args.train_iters or 0) * gbs
+        args.lr_warmup_steps = (args.lr_warmup_iters or 0) * gbs
+        args.wd_incr_steps = (args.train_iters or 0) * gbs
+    else:
+        args.lr_decay_steps = args.lr_decay_samples or args.train_samples
+        args.lr_warmup_steps = args.lr_warmup_samples or 0
+        args.wd_incr_steps = args.train_samples
+    if args.lr_warmup_fraction is not None:
+        args.lr_warmup_steps = int(args.lr_warmup_fraction * args.lr_decay_steps)
+
+
+def _fill_model_defaults(args) -> None:
+    import torch
 
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size
@@ -263,20 +457,33 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         args.kv_channels = args.hidden_size // args.num_attention_heads
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
-    if not args.group_query_attention:
-        args.num_query_groups = None
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    args.params_dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-    return args
+    if args.moe_ffn_hidden_size is None and args.num_experts is not None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    if args.start_weight_decay is None:
+        args.start_weight_decay = args.weight_decay
+    if args.end_weight_decay is None:
+        args.end_weight_decay = args.weight_decay
+    if args.device == "cpu":
+        args.use_cpu_initialization = True
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def explicit_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """Dests of the flags that appear in ``argv`` (to tell a typed default from an omitted flag)."""
+    by_option = {o: a.dest for a in parser._actions for o in a.option_strings}
+    return {by_option[w.split("=", 1)[0]] for w in argv if w.split("=", 1)[0] in by_option}
+
+
+def parse_args(argv: list[str] | None = None, **validate_kw) -> argparse.Namespace:
     """Parse and validate; on an invalid combination exit with argparse's usage error (status 2)."""
+    import sys
+
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.explicit = explicit_dests(parser, argv)
     try:
-        return validate_args(args)
+        return validate_args(args, **validate_kw)
     except ValueError as exc:
         parser.error(str(exc))
 

@@ -3,7 +3,8 @@
 Megatron-Core assumes a GPU in a handful of places (see ``shared/reference/megatron-core-notes``):
 buffers allocated on ``torch.cuda.current_device()``, ``device='cuda'`` tensors in the optimizer,
 a type check that wants ``torch.cuda.*Tensor`` names, CUDA streams and events around the
-collectives, and the CUDA RNG state in the tensor-parallel RNG tracker. :func:`enable` redirects
+collectives, the CUDA RNG state in the tensor-parallel RNG tracker, and two collectives gloo
+lacks (uneven list ``all_gather``, list ``reduce_scatter``: MoE token exchange under TP). :func:`enable` redirects
 exactly those to the CPU so that DDP + the distributed optimizer + GPTModel (local spec) run on
 gloo ranks; nothing else is changed.
 
@@ -115,6 +116,36 @@ def _split_sizes_to_host(tensor, as_numpy=False, record_stream=False):
     return tensor
 
 
+def _uneven_all_gather(original):
+    """gloo's list all_gather needs equal shapes; MoE with TP gathers token counts that differ
+    per rank (dim 0): pad to the longest, gather, copy each rank's rows out."""
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        if async_op or len({t.shape for t in tensor_list} | {tensor.shape}) == 1:
+            return original(tensor_list, tensor, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in tensor_list)
+        padded = tensor.new_zeros((rows, *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        out = [torch.empty_like(padded) for _ in tensor_list]
+        original(out, padded, group=group)
+        for dst, src in zip(tensor_list, out):
+            dst.copy_(src[: dst.shape[0]])
+
+    return all_gather
+
+
+def _list_reduce_scatter(output, input_list, op=None, group=None, async_op=False):
+    """gloo has no list reduce_scatter: all-reduce the concatenation, keep this rank's part."""
+    import torch.distributed as dist
+
+    assert not async_op, "cpu_compat: asynchronous list reduce_scatter is not emulated"
+    full = torch.cat([t.reshape(-1) for t in input_list])
+    dist.all_reduce(full, op=op if op is not None else dist.ReduceOp.SUM, group=group)
+    rank = dist.get_rank(group)
+    offset = sum(t.numel() for t in input_list[:rank])
+    output.copy_(full[offset: offset + output.numel()].view_as(output))
+
+
 def _patches() -> list[tuple[object, str, object]]:
     """(owner, attribute, replacement) for everything replaced while active."""
     from megatron.core.tensor_parallel import random as tp_random
@@ -150,6 +181,8 @@ def _patches() -> list[tuple[object, str, object]]:
         (tp_random, "_set_cuda_rng_state", lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)),
         (moe_utils, "maybe_move_tensor_to_cpu", _split_sizes_to_host),
         (token_dispatcher, "maybe_move_tensor_to_cpu", _split_sizes_to_host),
+        (torch.distributed, "all_gather", _uneven_all_gather(torch.distributed.all_gather)),
+        (torch.distributed, "reduce_scatter", _list_reduce_scatter),
     ]
     return patches
 

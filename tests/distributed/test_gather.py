@@ -107,7 +107,7 @@ def _one_bad_input(rank, case):
 BAD_INPUTS = {
     "dtype": "CIERA gathers",
     "divisible": "not divisible by the group size 2",
-    "config": "ranks disagree on config",
+    "config": "ranks disagree on config.block_size: rank",
     "size": "ranks disagree on numel",
     "dtype_mismatch": "ranks disagree on dtype",
 }

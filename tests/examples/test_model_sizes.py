@@ -84,12 +84,11 @@ def memory_gib(count: Count, *, world: int, ep: int) -> float:
 
 _COUNT_IN_MEGATRON = r"""
 import json, sys
-from megatron.ciera import arguments, data, training
+from megatron.ciera import arguments, data, model as model_lib, parallel
 args = arguments.parse_args(json.loads(sys.argv[1]))
-training.initialize(args)
-training._define_missing_te_names()
+parallel.initialize(args)
 vocab = data.padded_vocab_size(data.build_tokenizer(args).vocab_size, args.make_vocab_size_divisible_by)
-model = training.build_model(args, training.transformer_config(args, vocab), vocab)
+model = model_lib.build_model_chunks(args, model_lib.transformer_config(args), vocab)[0]
 print(json.dumps({"total": sum(p.numel() for p in model.parameters()),
                   "routed": sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)}))
 """

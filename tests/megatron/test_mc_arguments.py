@@ -1,6 +1,8 @@
-"""megatron.ciera.arguments: Megatron-LM flag names, clear errors with the arithmetic, --ciera-* -> CieraConfig."""
+"""megatron.ciera.arguments: Megatron-LM's flag table, the flag policy, clear errors with the
+arithmetic, --ciera-* -> CieraConfig, the configs a GPU node would build."""
 
 import pytest
+import torch
 
 from megatron.ciera import arguments
 
@@ -9,14 +11,17 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "255", "--use-distributed-optimizer", "--bf16"]
 
 
-def parse(extra, world=1):
-    args = arguments.build_parser().parse_args(BASE + extra)
-    return arguments.validate_args(args, world_size=world)
+def parse(extra, world=1, **kw):
+    argv = BASE + extra
+    parser = arguments.build_parser()
+    args = parser.parse_args(argv)
+    args.explicit = arguments.explicit_dests(parser, argv)
+    return arguments.validate_args(args, world_size=world, **kw)
 
 
-def error(extra, world=1):
+def error(extra, world=1, **kw):
     with pytest.raises(ValueError) as info:
-        parse(extra, world)
+        parse(extra, world, **kw)
     return str(info.value)
 
 
@@ -24,7 +29,7 @@ def test_defaults_and_derived_values():
     args = parse(["--global-batch-size", "8"], world=2)
     assert (args.data_parallel_size, args.num_microbatches) == (2, 2)
     assert args.ffn_hidden_size == 256 and args.kv_channels == 16 and args.max_position_embeddings == 64
-    assert args.params_dtype == "bf16" and not args.ciera_allgather
+    assert args.params_dtype == torch.bfloat16 and not args.ciera_allgather
     assert arguments.ciera_config_from_args(args) is None
 
 
@@ -66,11 +71,27 @@ def test_ciera_tuning_flags_without_ciera_allgather_are_inert():
 @pytest.mark.parametrize("extra, world, needle", [
     (["--fp16"], 1, "--bf16 and --fp16 are mutually exclusive"),
     (["--global-batch-size", "6"], 2, "--global-batch-size 6 is not divisible by --micro-batch-size 2 x data-parallel size 2 = 4"),
-    (["--tensor-model-parallel-size", "2"], 2, "--tensor-model-parallel-size 2: only 1 is supported"),
-    (["--pipeline-model-parallel-size", "2"], 2, "--pipeline-model-parallel-size 2: only 1 is supported"),
+    (["--tensor-model-parallel-size", "3"], 4, "world size 4 is not divisible by tensor x pipeline x context parallel size 3 x 1 x 1 = 3"),
+    (["--pipeline-model-parallel-size", "3"], 3, "--num-layers 2 is not divisible by --pipeline-model-parallel-size 3"),
+    (["--tensor-model-parallel-size", "2", "--num-experts", "4"], 2, "--num-experts with --tensor-model-parallel-size 2 needs --sequence-parallel"),
+    (["--tensor-model-parallel-size", "8"], 8, "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 8"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "2"], 2,
+     "the interleaved schedule needs the number of micro batches (1) to be a multiple of --pipeline-model-parallel-size 2"),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], 1, "needs --pipeline-model-parallel-size >= 2"),
+    (["--micro-batch-size", "0"], 1, "--micro-batch-size 0 must be >= 1"),
+    (["--global-batch-size", "-4"], 1, "--global-batch-size -4 must be >= 1"),
+    (["--global-batch-size", "0"], 1, "--global-batch-size 0 must be >= 1"),
+    (["--rampup-batch-size", "16", "16", "100"], 1, "--rampup-batch-size: batch-size ramp-up is not implemented"),
+    (["--use-torch-fsdp2"], 1, "--use-torch-fsdp2: FSDP has no distributed-optimizer parameter all-gather"),
+    (["--no-save-optim", "--yaml-cfg", "x.yaml"], 1, "--yaml-cfg: YAML configs are not read"),
+    (["--relative-attention-num-buckets", "16"], 1, "--relative-attention-num-buckets: not implemented by this pretrain_gpt.py"),
+    (["--distributed-timeout-minutes", "0"], 1, "--distributed-timeout-minutes 0 must be > 0"),
+    (["--moe-token-dispatcher-type", "flex", "--num-experts", "4"], 1, "--moe-token-dispatcher-type flex needs DeepEP"),
+    (["--context-parallel-size", "2"], 2, "--context-parallel-size 2 needs transformer-engine's attention"),
+    (["--lr-warmup-samples", "10"], 1, "--lr-decay-samples / --lr-warmup-samples go with --train-samples"),
     (["--num-experts", "3", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"], 2,
      "--num-experts 3 is not divisible by --expert-model-parallel-size 2"),
-    (["--num-experts", "4", "--expert-model-parallel-size", "2"], 3, "data-parallel size 3 (world 3 / (tp 1 x pp 1)) is not divisible by --expert-model-parallel-size 2"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "2"], 3, "world size 3 is not divisible by expert-tensor x expert x pipeline parallel size 1 x 2 x 1 = 2"),
     (["--ciera-allgather", "--ciera-warmup-iters", "0"], 1, "warmup_gathers=0 must be >= 1"),
     (["--ciera-allgather", "--ciera-block-size", "3"], 1, "block_size=3 must be a power of two"),
     (["--ciera-snapshot-dir", "/tmp/s"], 1, "--ciera-snapshot-dir and --ciera-snapshot-interval go together"),
@@ -80,9 +101,109 @@ def test_errors_name_the_flags_and_numbers(extra, world, needle):
     assert needle in error(extra, world)
 
 
+def test_every_upstream_flag_is_recognised_with_upstream_defaults():
+    flags = arguments.upstream_flags()
+    assert len(flags) > 600
+    parser = arguments.build_parser()
+    defaults = vars(parser.parse_args([]))
+    by_option = {o: a for a in parser._actions for o in a.option_strings}
+    seen = set()
+    for flag in flags:
+        assert all(o in by_option for o in flag["options"]), flag["options"]
+        if flag["type"] != "custom" and flag["dest"] not in seen:  # a shared dest keeps the first default
+            assert defaults[flag["dest"]] == flag["default"], flag
+        seen.add(flag["dest"])
+    # a few types and defaults as upstream has them
+    assert (defaults["transformer_impl"], defaults["distributed_timeout_minutes"], defaults["moe_token_dispatcher_type"]) == (
+        "transformer_engine", 10, "allgather")
+    assert defaults["bias_gelu_fusion"] and defaults["masked_softmax_fusion"] and not defaults["sequence_parallel"]
+
+
+def test_policy_table_classifies_flags():
+    from megatron.ciera import flag_policy as fp
+
+    assert fp.policy("hidden_size").kind == fp.HONOURED  # a TransformerConfig field: by construction
+    assert fp.policy("overlap_param_gather").kind == fp.HONOURED  # DistributedDataParallelConfig
+    assert fp.policy("adam_beta2").kind == fp.HONOURED  # OptimizerConfig
+    assert fp.policy("moe_grouped_gemm").kind == fp.GPU and fp.policy("masked_softmax_fusion").kind == fp.GPU
+    assert fp.policy("save").kind == "feature:checkpoint" and fp.policy("eval_iters").kind == "feature:eval"
+    assert fp.policy("num_workers").kind == "feature:data" and fp.policy("wandb_project").kind == "feature:logging"
+    assert fp.policy("log_interval").kind == fp.HONOURED
+    assert fp.policy("rampup_batch_size").kind == fp.REJECTED and "ramp-up" in fp.policy("rampup_batch_size").reason
+    assert fp.policy("profile_step_start") == fp.Policy(fp.REJECTED, fp.DEFAULT_REASON)
+
+
+def test_rejected_flag_at_its_default_value_is_accepted():
+    assert parse(["--profile-step-start", "10"]).profile_step_start == 10  # upstream's default: harmless
+    assert "--profile-step-start: not implemented" in error(["--profile-step-start", "11"])
+
+
+def test_cpu_reports_gpu_only_flags_and_runs_the_local_path():
+    args = parse(["--moe-grouped-gemm", "--num-experts", "4", "--no-masked-softmax-fusion",
+                  "--attention-backend", "flash", "--transformer-impl", "transformer_engine"], device="cpu")
+    assert args.transformer_impl == "local" and args.distributed_backend == "gloo"
+    assert {"--moe-grouped-gemm", "--no-masked-softmax-fusion", "--attention-backend",
+            "--transformer-impl transformer_engine"} <= set(args.cpu_ignored)
+    from megatron.ciera import model
+
+    config = model.transformer_config(args)
+    assert not config.moe_grouped_gemm and not config.bias_activation_fusion and not config.gradient_accumulation_fusion
+
+
+def test_gpu_config_keeps_upstream_paths_and_fusions():
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megatron.ciera import model
+
+    args = parse(["--moe-grouped-gemm", "--num-experts", "4", "--moe-token-dispatcher-type", "alltoall",
+                  "--attention-backend", "flash", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                  "--disable-bias-linear", "--swiglu"],
+                 world=2, device="cuda", te_available=True)
+    assert args.transformer_impl == "transformer_engine" and args.distributed_backend == "nccl"
+    config = model.transformer_config(args)
+    assert config.moe_grouped_gemm and config.attention_backend == AttnBackend.flash
+    assert config.masked_softmax_fusion and config.bias_dropout_fusion and config.gradient_accumulation_fusion
+    assert config.sequence_parallel and config.tensor_model_parallel_size == 2
+    # without transformer-engine on the GPU node: the local spec by default, a clear error if asked for
+    assert parse([], device="cuda", te_available=False).transformer_impl == "local"
+    assert "transformer-engine is not installed" in error(["--transformer-impl", "transformer_engine"],
+                                                          device="cuda", te_available=False)
+    assert "--moe-grouped-gemm needs transformer-engine" in error(["--moe-grouped-gemm", "--num-experts", "4"],
+                                                                  device="cuda", te_available=False)
+
+
+def test_schedule_in_samples_and_warmup_fraction():
+    argv = [a for a in BASE if a not in ("--train-iters", "5")]
+    parser = arguments.build_parser()
+    args = parser.parse_args(argv + ["--train-samples", "80", "--lr-warmup-fraction", "0.1", "--global-batch-size", "8"])
+    args = arguments.validate_args(args, world_size=2)
+    assert args.train_iters == 10 and args.lr_decay_steps == 80 and args.lr_warmup_steps == 8
+    args = parse(["--lr-warmup-iters", "2", "--global-batch-size", "8"], world=2)
+    assert (args.lr_warmup_steps, args.lr_decay_steps) == (16, 40)
+
+
+def test_layouts_fill_derived_sizes():
+    args = parse(["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
+                  "--num-layers-per-virtual-pipeline-stage", "1", "--num-experts", "4",
+                  "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+                  "--global-batch-size", "8"], world=8)
+    assert (args.data_parallel_size, args.expert_data_parallel_size, args.virtual_pipeline_model_parallel_size) == (2, 2, 1)
+    assert args.num_microbatches == 2
+    assert not parse(["--sequence-parallel"]).sequence_parallel  # TP 1: nothing to split (as upstream)
+
+
+def test_rank_agreement_names_the_differing_flags():
+    from megatron.ciera.parallel import differing_flags
+
+    a, b = {"train_iters": "5", "ciera_allgather": "True"}, {"train_iters": "7", "ciera_allgather": "False"}
+    diff = differing_flags(a, [a, b])
+    assert diff == ["--ciera-allgather: rank 1 has False, rank 0 has True", "--train-iters: rank 1 has 7, rank 0 has 5"]
+
+
 def test_distributed_optimizer_is_required_for_param_gather_features():
     argv = [a for a in BASE if a != "--use-distributed-optimizer"]
     args = arguments.build_parser().parse_args(argv + ["--overlap-grad-reduce", "--overlap-param-gather", "--ciera-allgather"])
+    args.explicit = set()
     with pytest.raises(ValueError) as info:
         arguments.validate_args(args, world_size=2)
     assert "--overlap-param-gather requires --use-distributed-optimizer" in str(info.value)

@@ -28,3 +28,10 @@ def test_fingerprint_is_stable_and_sensitive():
     assert CieraConfig().fingerprint() == CieraConfig().fingerprint()
     assert CieraConfig().fingerprint() != CieraConfig(block_size=16).fingerprint()
     assert 0 <= CieraConfig().fingerprint() < 2**63
+
+
+def test_field_digests_name_the_field_that_differs():
+    a, b = CieraConfig().field_digests(), CieraConfig(codec="delta").field_digests()
+    names = CieraConfig.field_names()
+    assert len(a) == len(names) and all(0 <= d < 2**63 for d in a)
+    assert [n for n, x, y in zip(names, a, b) if x != y] == ["config.codec"]
