@@ -14,6 +14,8 @@ import argparse
 import os
 import re
 
+from .feature_args import add_checkpoint_eval_data_logging_args, validate_checkpoint_eval_data_logging_args
+
 __all__ = ["build_parser", "parse_args", "validate_args", "ciera_config_from_args"]
 
 
@@ -116,30 +118,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="deterministic kernels (GPU: needed to compare two runs bit for bit; CPU runs are deterministic anyway)")
 
     g = p.add_argument_group("data")
-    g.add_argument("--mock-data", action="store_true")
-    g.add_argument("--data-path", nargs="*", default=None, help="[weight] prefix ... of .bin/.idx datasets")
-    g.add_argument("--split", default="969,30,1")
-    g.add_argument("--data-cache-path", default=None)
     g.add_argument("--tokenizer-type", default=None,
                    help="NullTokenizer (needs --vocab-size, no files) or HuggingFaceTokenizer (--tokenizer-model)")
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
-    g.add_argument("--num-workers", type=int, default=0, help="accepted; data loads in the main process")
     g.add_argument("--micro-batch-size", type=int, required=True)
     g.add_argument("--global-batch-size", type=int, default=None, help="default: micro x data-parallel size")
     g.add_argument("--train-iters", type=int, required=True)
-    g.add_argument("--eval-iters", type=int, default=0, help="accepted; no evaluation runs")
-    g.add_argument("--eval-interval", type=int, default=None, help="accepted; no evaluation runs")
 
-    g = p.add_argument_group("checkpoints and logging")
-    g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--ckpt-step", type=int, default=None, help="with --load: this iteration instead of the latest")
-    g.add_argument("--exit-interval", type=int, default=None, help="stop (after saving) at an iteration multiple of this")
-    g.add_argument("--log-interval", type=int, default=100)
-    g.add_argument("--tensorboard-dir", default=None)
+    add_checkpoint_eval_data_logging_args(p)
+
+    g = p.add_argument_group("exact-comparison logging")
     g.add_argument("--ciera-loss-log", default=None, metavar="FILE",
                    help="rank 0 writes 'iteration loss.hex()' per iteration (exact comparisons)")
 
@@ -226,8 +216,6 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
             f"{args.micro_batch_size} x data-parallel size {dp} = {per_step}")
     args.num_microbatches = max(args.global_batch_size // per_step, 1)
 
-    if args.mock_data == bool(args.data_path):
-        err("give exactly one of --mock-data and --data-path")
     if args.tokenizer_type is None:
         args.tokenizer_type = "NullTokenizer"
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
@@ -237,12 +225,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     if args.tokenizer_type not in ("NullTokenizer", "HuggingFaceTokenizer"):
         err(f"--tokenizer-type {args.tokenizer_type}: supported are NullTokenizer and HuggingFaceTokenizer")
 
-    if args.save_interval is not None and args.save is None:
-        err("--save-interval needs --save")
-    if args.save_interval is not None and args.save_interval < 1:
-        err(f"--save-interval {args.save_interval} must be >= 1")
-    if args.log_interval < 1:
-        err(f"--log-interval {args.log_interval} must be >= 1")
+    validate_checkpoint_eval_data_logging_args(args, err)
     if args.train_iters < 1:
         err(f"--train-iters {args.train_iters} must be >= 1")
     if args.device == "cpu" and args.distributed_backend == "nccl":
