@@ -213,10 +213,13 @@ class _MicroBatches(torch.utils.data.Sampler):
 
 
 def _loader(dataset, order: SampleOrder, first_chunk: int, count: int, num_workers: int, wrap: bool):
+    # A private generator: a DataLoader iterator draws its workers' base seed from it, and drawing
+    # from the global one would shift the dropout random stream (resume and evaluation exactness).
+    generator = torch.Generator().manual_seed(0)
     return torch.utils.data.DataLoader(
         dataset, batch_sampler=_MicroBatches(order, first_chunk, count, len(dataset) if wrap else None),
         collate_fn=collate, num_workers=num_workers, pin_memory=torch.cuda.is_available(),
-        prefetch_factor=2 if num_workers else None, persistent_workers=False)
+        prefetch_factor=2 if num_workers else None, persistent_workers=False, generator=generator)
 
 
 def sample_order(args: argparse.Namespace, dp_rank: int) -> SampleOrder:
