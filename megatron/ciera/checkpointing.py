@@ -33,6 +33,7 @@ CIERA keeps no state in checkpoints: the caller invalidates its caches after :fu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import hashlib
 import os
@@ -200,10 +201,32 @@ def _layout(args) -> tuple[int, int]:
     return (getattr(args, "pipeline_model_parallel_size", 1) or 1, getattr(args, "tensor_model_parallel_size", 1) or 1)
 
 
+@torch.no_grad()
+def _materialise_optimizer_state(optimizer) -> None:
+    """A fresh torch optimizer has no state yet (no ``step``, no moments), and megatron-core's
+    distributed optimizer cannot describe (hence load) a state it does not have. One step on zero
+    gradients creates it; the parameters are restored bit for bit (weight decay moved them) and
+    the load overwrites the state itself."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        if inner.state:
+            continue
+        params = [p for g in inner.param_groups for p in g["params"] if p.numel()]
+        saved = [p.detach().clone() for p in params]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        inner.step()
+        for p, s in zip(params, saved):
+            p.copy_(s)
+            p.grad = None
+
+
 def _sharded_state_dict(model, optimizer, *, metadata: dict, with_optimizer: bool, with_rng: bool,
                         is_loading: bool) -> dict:
     model_sd = _unwrap(model).sharded_state_dict(metadata=metadata)
     state = {"model": model_sd}
+    if with_optimizer and is_loading:
+        _materialise_optimizer_state(optimizer)
     if with_optimizer:
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
     if with_rng:
@@ -377,6 +400,43 @@ def _check_shapes(saved, args) -> None:
         raise SystemExit("the checkpoint's model does not match this run's:\n  " + "\n  ".join(diffs))
 
 
+@contextlib.contextmanager
+def _torch_adam_step_fix(optimizer):
+    """Version isolation (megatron-core 0.16.1 without Apex / TE): loading a ``fully_reshardable``
+    state copies every key of torch Adam's per-parameter state from the checkpoint's tensors, but
+    those tensors leave out ``step`` (restored separately, from the common part): KeyError. For the
+    duration of the load, copy only the keys the checkpoint provides; anything else missing than
+    ``step`` still fails."""
+    patched = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        original = getattr(opt, "_set_main_param_and_optimizer_states", None)
+        if original is None:
+            continue
+
+        def setter(model_param, tensors, _opt=opt, _original=original):
+            group_index, group_order = _opt.model_param_group_index_map[model_param]
+            main_param = _opt.optimizer.param_groups[group_index]["params"][group_order]
+            state = _opt.optimizer.state.get(main_param, {})
+            if "step" in state and "step" not in tensors:
+                missing = set(state) - set(tensors) - {"step"}
+                if missing:
+                    raise KeyError(f"optimizer state {sorted(missing)} missing from the checkpoint")
+                main_param.detach().copy_(tensors["param"])
+                for key, value in state.items():
+                    if key != "step":
+                        value.copy_(tensors[key])
+                return
+            _original(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = setter
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states  # back to the class's method
+
+
 @torch.no_grad()
 def load(args: argparse.Namespace, *, model, optimizer, scheduler) -> int:
     """Collective: restore the checkpoint ``--load`` / ``--ckpt-step`` names; returns the iteration
@@ -407,7 +467,8 @@ def load(args: argparse.Namespace, *, model, optimizer, scheduler) -> int:
         _print0(f"checkpoint key mismatch: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
     _unwrap(model).load_state_dict(state["model"], strict=args.dist_ckpt_strictness != "ignore_all")
     if with_optimizer:
-        optimizer.load_state_dict(state["optimizer"])
+        with _torch_adam_step_fix(optimizer):
+            optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["opt_param_scheduler"])
     else:
         optimizer.reload_model_params()  # main (fp32) parameters from the loaded model
