@@ -406,7 +406,9 @@ def _torch_adam_step_fix(optimizer):
     state copies every key of torch Adam's per-parameter state from the checkpoint's tensors, but
     those tensors leave out ``step`` (restored separately, from the common part): KeyError. For the
     duration of the load, copy only the keys the checkpoint provides; anything else missing than
-    ``step`` still fails."""
+    ``step`` still fails. Afterwards every parameter gets its own ``step`` tensor: the load gives
+    them all one shared tensor, which torch Adam's foreach path would then increment once per
+    parameter per step (a wrong bias correction from the first step after the resume on)."""
     patched = []
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         original = getattr(opt, "_set_main_param_and_optimizer_states", None)
@@ -435,6 +437,10 @@ def _torch_adam_step_fix(optimizer):
     finally:
         for opt in patched:
             del opt._set_main_param_and_optimizer_states  # back to the class's method
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in opt.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
 
 
 @torch.no_grad()
