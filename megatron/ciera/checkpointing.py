@@ -454,6 +454,11 @@ def load(args: argparse.Namespace, *, model, optimizer, scheduler) -> int:
     plan = _choose(args)
     if plan is None:
         return 0
+    if getattr(args, "overlap_param_gather", False):
+        # Known issue: after a torch_dist load under overlapped parameter gathers the run does not
+        # continue the saved trajectory (tests/megatron/test_mc_checkpointing.py, slow xfail).
+        raise SystemExit(f"--load {plan.folder} with --overlap-param-gather: resuming a torch_dist checkpoint is "
+                         "not yet exact under overlapped parameter gathers; resume without --overlap-param-gather")
     common = dist_checkpointing.load_common_state_dict(plan.folder)
     saved_args = common.get("args")
     if saved_args is not None:
