@@ -52,6 +52,7 @@ setup(
         "torch>=2.4",
         "megatron-core>=0.16.1",
         "numpy",
+        "psutil",  # megatron-core's dist_checkpointing writer needs it
     ],
     extras_require={
         # The CPU build that lies on the development machines' disk; GPU users skip this extra.
@@ -59,7 +60,8 @@ setup(
         "triton": ["triton>=3.0"],
         "gpu": ["transformer-engine[pytorch]"],
         "plots": ["matplotlib"],
-        "dev": ["pytest>=8", "hypothesis>=6", "matplotlib"],
+        "dev": ["pytest>=8", "hypothesis>=6", "matplotlib", "tensorboard", "wandb"],
+        "logging": ["tensorboard", "wandb"],
         # Peers in tools/bench_codec.py (optional rows): ZipNN and zstd.
         "peers": ["zipnn", "zstandard"],
     },

@@ -206,6 +206,8 @@ ciera_build_args() {
         --global-batch-size "$GLOBAL_BATCH"
         --train-iters "$TRAIN_ITERS"
         --log-interval "$LOG_INTERVAL"
+        --eval-interval "${EVAL_INTERVAL:-1000}"
+        --eval-iters "${EVAL_ITERS:-0}"
     )
     if [[ "$tiny" == 1 ]]; then
         CIERA_TRAIN_ARGS+=(--device cpu)
@@ -215,9 +217,8 @@ ciera_build_args() {
     if [[ -n "${DATA_PATH:-}" ]]; then
         local -a prefixes
         read -r -a prefixes <<<"$DATA_PATH"
-        # pretrain_gpt.py does not evaluate, so all documents train by default. (A split that
-        # gets no document, e.g. the 1/1000 test split of a small corpus, makes megatron-core's
-        # GPTDataset index builder loop forever.)
+        # All documents train by default; give SPLIT (e.g. 969,30,1) and EVAL_ITERS for valid /
+        # test evaluation (pretrain_gpt.py rejects a split that would get no document up front).
         CIERA_TRAIN_ARGS+=(--data-path "${prefixes[@]}" --split "${SPLIT:-100,0,0}")
     else
         CIERA_TRAIN_ARGS+=(--mock-data)

@@ -34,7 +34,7 @@ TRAINING = [
     "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--bf16",
     "--optimizer", "adam", "--lr-decay-style", "constant", "--weight-decay", "0.01", "--clip-grad", "1.0",
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255", "--micro-batch-size", "2",
-    "--global-batch-size", "8", "--device", "cpu",
+    "--global-batch-size", "8", "--device", "cpu", "--eval-iters", "0", "--num-workers", "0",
 ]
 
 

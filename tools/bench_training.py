@@ -48,7 +48,7 @@ def model_flags(*, hidden: int, layers: int, experts: int, ep: int, iters: int) 
         "--overlap-param-gather", "--bf16", "--optimizer", "adam", "--lr", "1e-4", "--min-lr", "1e-4",
         "--lr-decay-style", "constant", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1023",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(iters), "--log-interval", "5",
-        "--device", "cpu", "--seed", "1234",
+        "--device", "cpu", "--seed", "1234", "--eval-iters", "0",  # iteration time only: no evaluation
     ]
 
 

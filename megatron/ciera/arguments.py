@@ -21,6 +21,8 @@ import re
 from pathlib import Path
 
 from . import flag_policy
+from .data import TOKENIZERS as _TOKENIZERS
+from .feature_args import add_checkpoint_eval_data_logging_args, validate_checkpoint_eval_data_logging_args
 
 __all__ = ["build_parser", "parse_args", "validate_args", "ciera_config_from_args", "upstream_flags"]
 
@@ -131,8 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "megatron/training/arguments.py); only the flags below the 'CIERA' heading are ours.",
         allow_abbrev=False,
     )
+    # The checkpoint, evaluation, data and logging flags come with their features' own checks
+    # (megatron.ciera.feature_args, upstream's names and defaults); every other upstream flag from
+    # the table.
+    add_checkpoint_eval_data_logging_args(p)
     g = p.add_argument_group("Megatron-LM (upstream names, types and defaults)")
-    seen = set()
+    seen = {o for action in p._actions for o in action.option_strings}
     for flag in upstream_flags():
         options = [o for o in flag["options"] if o not in seen]
         if options:
@@ -280,16 +286,17 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None, *, de
     _check_model(args, err)
     _check_batch_and_schedule(args, err)
 
-    if args.mock_data == bool(args.data_path):
-        err("give exactly one of --mock-data and --data-path")
     if args.tokenizer_type is None:
         args.tokenizer_type = "NullTokenizer" if args.vocab_size is not None else "GPT2BPETokenizer"
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
         err("--tokenizer-type NullTokenizer needs --vocab-size")
-    if args.save_interval is not None and args.save is None:
-        err("--save-interval needs --save")
-    if args.save_interval is not None and args.save_interval < 1:
-        err(f"--save-interval {args.save_interval} must be >= 1")
+    if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
+        err("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model")
+    if args.tokenizer_type == "GPT2BPETokenizer" and not (args.vocab_file and args.merge_file):
+        err("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
+    if args.tokenizer_type not in _TOKENIZERS:
+        err(f"--tokenizer-type {args.tokenizer_type}: this entry point builds {', '.join(_TOKENIZERS)}")
+    validate_checkpoint_eval_data_logging_args(args, err)
     if args.log_interval < 1:
         err(f"--log-interval {args.log_interval} must be >= 1")
     if args.distributed_timeout_minutes is not None and args.distributed_timeout_minutes <= 0:

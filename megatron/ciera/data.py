@@ -1,30 +1,49 @@
-"""Training data for ``pretrain_gpt.py``: Megatron-Core GPT datasets and a resumable batch order.
+"""Data for ``pretrain_gpt.py``: Megatron-Core GPT datasets (train / valid / test) and loaders.
 
-The sample order is a pure function of the iteration number (Megatron-LM's pretraining sampler
-order: each global batch is ``num_microbatches`` consecutive chunks of ``micro x dp`` samples,
-data-parallel rank ``r`` takes the ``r``-th micro batch of each chunk), so resuming from a
-checkpoint needs nothing but the iteration.
+* Splits come from ``--split`` over ``--data-path`` (a weighted blend: ``[w1] p1 [w2 p2 ...]``) or
+  from ``--train-data-path`` / ``--valid-data-path`` / ``--test-data-path``; ``--mock-data`` uses
+  megatron-core's MockGPTDataset. :func:`check_splits` validates the split sizes from the ``.idx``
+  files before megatron-core builds anything (megatron-core loops forever on a split with no
+  documents).
+* The sample order is a pure function of the iteration (Megatron-LM's pretraining sampler: each
+  global batch is ``num_microbatches`` consecutive chunks of ``micro x dp`` samples, data-parallel
+  rank ``r`` takes the ``r``-th micro batch of each chunk), so a resume needs only the iteration.
+  Evaluation ``k`` (the k-th call of the run, counted from iteration 0) reads the valid samples
+  ``[k x eval_iters x gbs, (k + 1) x eval_iters x gbs)``, so resumed and uninterrupted runs report
+  the same validation loss.
+* Loading runs in a ``torch.utils.data.DataLoader`` with ``--num-workers`` worker processes
+  (prefetching 2 micro batches each), pinned memory on CUDA.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+from dataclasses import dataclass
 from collections import OrderedDict
 
 import torch
 
 
+TOKENIZERS = ("NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer")
+"""The ``--tokenizer-type`` values :func:`build_tokenizer` builds."""
+
+
 class _HFTokenizer:
     """The few members Megatron-Core's GPT datasets use, over a Hugging Face tokenizer."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, *, vocab_file: str | None = None, merge_file: str | None = None):
+        kind = "GPT2BPETokenizer" if vocab_file else "HuggingFaceTokenizer"
         try:
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer, GPT2TokenizerFast
         except ImportError:
-            raise SystemExit("--tokenizer-type HuggingFaceTokenizer needs the 'transformers' package "
+            raise SystemExit(f"--tokenizer-type {kind} needs the 'transformers' package "
                              "(pip install transformers); with --mock-data use NullTokenizer") from None
-        self._tok = AutoTokenizer.from_pretrained(name)
-        self._name = name
+        if vocab_file:  # GPT-2's byte-level BPE from vocab.json + merges.txt, as Megatron-LM's GPT2BPETokenizer
+            self._tok = GPT2TokenizerFast(vocab_file=vocab_file, merges_file=merge_file)
+        else:
+            self._tok = AutoTokenizer.from_pretrained(name)
+        self._name, self._kind = name, kind
 
     @property
     def vocab_size(self):
@@ -36,7 +55,7 @@ class _HFTokenizer:
 
     @property
     def unique_identifiers(self):
-        return OrderedDict({"class": "HuggingFaceTokenizer", "model": self._name})
+        return OrderedDict({"class": self._kind, "model": self._name})
 
 
 def build_tokenizer(args: argparse.Namespace):
@@ -46,6 +65,8 @@ def build_tokenizer(args: argparse.Namespace):
         return NullTokenizer(args.vocab_size)
     if args.tokenizer_type == "HuggingFaceTokenizer":
         return _HFTokenizer(args.tokenizer_model)
+    if args.tokenizer_type == "GPT2BPETokenizer":
+        return _HFTokenizer(args.vocab_file, vocab_file=args.vocab_file, merge_file=args.merge_file)
     raise SystemExit(f"--tokenizer-type {args.tokenizer_type} is not supported by this entry point; "
                      "use NullTokenizer or HuggingFaceTokenizer")
 
@@ -61,21 +82,90 @@ def _blend(data_path: list[str]):
         return [data_path[0]], None
     try:
         weights = [float(x) for x in data_path[0::2]]
-        return list(data_path[1::2]), weights
     except ValueError:
         return list(data_path), None
+    if len(data_path) % 2:
+        raise SystemExit(f"--data-path {' '.join(data_path)}: weights and prefixes must alternate")
+    return list(data_path[1::2]), weights
 
 
-def build_train_dataset(args: argparse.Namespace, tokenizer):
-    """The training split, sized for ``train_iters x global batch`` samples."""
+SPLITS = ("train", "valid", "test")
+
+
+def split_sizes(args: argparse.Namespace) -> list[int]:
+    """Samples each split must provide (Megatron-LM's arithmetic): train ``train_iters x gbs``;
+    valid ``eval_iters x gbs`` per evaluation, ``train_iters // eval_interval + 1`` evaluations;
+    test ``eval_iters x gbs``."""
+    gbs = args.global_batch_size
+    evals = args.train_iters // args.eval_interval + 1 if args.eval_interval else 1
+    return [args.train_iters * gbs, args.eval_iters * gbs * evals, args.eval_iters * gbs]
+
+
+def _split_matrix(split: str) -> list:
+    """megatron-core's own parsing of ``--split`` into ``[(lo, hi) or None] x 3``."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix, parse_and_normalize_split)
+
+    try:
+        return convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    except (AssertionError, ValueError) as exc:
+        raise SystemExit(f"--split {split!r}: give up to three non-negative proportions, e.g. 969,30,1 ({exc})") from None
+
+
+def _document_lengths(prefix: str):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    for ext in (".bin", ".idx"):
+        if not os.path.isfile(prefix + ext):
+            raise SystemExit(f"dataset {prefix}: {prefix + ext} does not exist")
+    return IndexedDataset(prefix, mmap=True).sequence_lengths
+
+
+def check_splits(args: argparse.Namespace) -> None:
+    """Fail (every rank, same message) when a split that will be read gets no documents.
+
+    Mirrors megatron-core's split arithmetic: documents ``[round(lo x n), round(hi x n))`` of each
+    prefix go to a split with bounds ``(lo, hi)``."""
+    if args.mock_data:
+        return
+    sizes = split_sizes(args)
+    if args.data_path:
+        prefixes, _ = _blend(args.data_path)
+        matrix = _split_matrix(args.split)
+        for prefix in prefixes:
+            n = len(_document_lengths(prefix))
+            for name, bounds, need in zip(SPLITS, matrix, sizes):
+                lo, hi = bounds or (0.0, 0.0)
+                if need and hi > lo and int(round(hi * n)) - int(round(lo * n)) == 0:
+                    raise SystemExit(
+                        f"--split {args.split} gives the {name} split of {prefix} no documents "
+                        f"(round({hi:.4f} x {n}) - round({lo:.4f} x {n}) = 0): use a corpus with more documents, "
+                        f"a larger {name} proportion" + (", or --eval-iters 0" if name != "train" else ""))
+        return
+    for name, paths, need in zip(SPLITS, (args.train_data_path, args.valid_data_path, args.test_data_path), sizes):
+        if need and paths:
+            for prefix in _blend(paths)[0]:
+                if not len(_document_lengths(prefix)):
+                    raise SystemExit(f"--{name}-data-path {prefix} holds no documents")
+
+
+def build_datasets(args: argparse.Namespace, tokenizer) -> list:
+    """``[train, valid, test]`` GPT datasets (``None`` for a split that is not read: no evaluation,
+    a zero ``--split`` proportion or no ``--valid/test-data-path``)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
+    check_splits(args)
+    sizes = split_sizes(args)
+    per_split = None
+    if args.train_data_path:
+        per_split = [_blend(p) if p else None for p in (args.train_data_path, args.valid_data_path, args.test_data_path)]
     config = GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
-        blend=None if args.mock_data else _blend(args.data_path),
-        split=args.split,
+        blend=_blend(args.data_path) if args.data_path else None,
+        blend_per_split=per_split,
+        split=None if per_split else args.split,
         path_to_cache=args.data_cache_path,
         tokenizer=tokenizer,
         reset_position_ids=False,
@@ -83,30 +173,91 @@ def build_train_dataset(args: argparse.Namespace, tokenizer):
         eod_mask_loss=False,
         create_attention_mask=False,
     )
-    # No evaluation loop: the valid/test splits are not built (their documents stay out of
-    # training, as in Megatron-LM). Building them could also hang megatron-core when a small
-    # corpus leaves a split with zero documents.
-    config.split_matrix = [config.split_matrix[0], None, None]
+    if per_split is None:
+        # A split nobody reads is not built (its documents stay out of training, as in Megatron-LM).
+        config.split_matrix = [m if need else None for m, need in zip(config.split_matrix, sizes)]
     cls = MockGPTDataset if args.mock_data else GPTDataset
-    n = args.train_iters * args.global_batch_size
-    train, _, _ = BlendedMegatronDatasetBuilder(cls, [n, 0, 0], lambda: True, config).build()
-    if train is None:
+    datasets = list(BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build())
+    if datasets[0] is None:
         raise SystemExit(f"--split {args.split} gives no training data")
-    return train
+    return [d if need else None for d, need in zip(datasets, sizes)]
+
+
+KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def collate(items: list[dict]) -> dict:
+    """Stack the fields the forward step reads into ``[micro_batch, seq]`` tensors."""
+    return {k: torch.stack([torch.as_tensor(it[k]) for it in items]) for k in KEYS}
+
+
+@dataclass(frozen=True)
+class SampleOrder:
+    """Which samples a data-parallel rank reads, in Megatron-LM's pretraining-sampler order."""
+
+    micro_batch_size: int
+    """Samples per micro batch."""
+    dp_size: int
+    """Data-parallel size: each chunk of ``micro x dp`` consecutive samples is one micro batch per rank."""
+    dp_rank: int
+    """This rank's position in each chunk."""
+
+    def micro_batch(self, chunk: int, length: int | None = None) -> list[int]:
+        """Sample indices of micro batch ``chunk`` of this rank (modulo ``length`` when given)."""
+        start = chunk * self.micro_batch_size * self.dp_size + self.dp_rank * self.micro_batch_size
+        idx = range(start, start + self.micro_batch_size)
+        return [i % length for i in idx] if length else list(idx)
+
+
+class _MicroBatches(torch.utils.data.Sampler):
+    """Batch sampler: the micro batches ``first_chunk .. first_chunk + count - 1`` of one rank."""
+
+    def __init__(self, order: SampleOrder, first_chunk: int, count: int, length: int | None):
+        self.order, self.first, self.count, self.length = order, first_chunk, count, length
+
+    def __iter__(self):
+        return (self.order.micro_batch(c, self.length) for c in range(self.first, self.first + self.count))
+
+    def __len__(self):
+        return self.count
+
+
+def _loader(dataset, order: SampleOrder, first_chunk: int, count: int, num_workers: int, wrap: bool):
+    # A private generator: a DataLoader iterator draws its workers' base seed from it, and drawing
+    # from the global one would shift the dropout random stream (resume and evaluation exactness).
+    generator = torch.Generator().manual_seed(0)
+    return torch.utils.data.DataLoader(
+        dataset, batch_sampler=_MicroBatches(order, first_chunk, count, len(dataset) if wrap else None),
+        collate_fn=collate, num_workers=num_workers, pin_memory=torch.cuda.is_available(),
+        prefetch_factor=2 if num_workers else None, persistent_workers=False, generator=generator)
+
+
+def sample_order(args: argparse.Namespace, dp_rank: int) -> SampleOrder:
+    return SampleOrder(args.micro_batch_size, args.data_parallel_size, dp_rank)
+
+
+def train_iterator(dataset, args: argparse.Namespace, *, dp_rank: int, start_iteration: int):
+    """Micro batches of this rank from ``start_iteration`` to ``--train-iters`` (one DataLoader)."""
+    nmb = args.num_microbatches
+    count = (args.train_iters - start_iteration) * nmb
+    return iter(_loader(dataset, sample_order(args, dp_rank), start_iteration * nmb, count, args.num_workers, False))
+
+
+def eval_iterator(dataset, args: argparse.Namespace, *, dp_rank: int, eval_index: int):
+    """Micro batches of evaluation number ``eval_index`` (``eval_iters`` global batches)."""
+    count = args.eval_iters * args.num_microbatches
+    return iter(_loader(dataset, sample_order(args, dp_rank), eval_index * count, count, args.num_workers, True))
 
 
 class BatchOrder:
-    """Micro batches of one rank, as a function of (iteration, micro batch index)."""
+    """Micro batches of one rank, as a function of (iteration, micro batch index); in-process."""
 
     def __init__(self, dataset, micro_batch_size: int, dp_size: int, dp_rank: int, num_microbatches: int):
-        self.dataset = dataset
-        self.mbs, self.dp, self.rank, self.nmb = micro_batch_size, dp_size, dp_rank, num_microbatches
+        self.dataset, self.nmb = dataset, num_microbatches
+        self.order = SampleOrder(micro_batch_size, dp_size, dp_rank)
 
     def micro_batch(self, iteration: int, index: int) -> dict:
-        gbs = self.mbs * self.dp * self.nmb
-        start = iteration * gbs + index * self.mbs * self.dp + self.rank * self.mbs
-        items = [self.dataset[start + j] for j in range(self.mbs)]
-        return {k: torch.stack([torch.as_tensor(it[k]) for it in items]) for k in ("tokens", "labels", "loss_mask", "position_ids")}
+        return collate([self.dataset[i] for i in self.order.micro_batch(iteration * self.nmb + index)])
 
     def iterator(self, iteration: int):
         """The micro batches of ``iteration`` in order (what the schedule's data iterator yields)."""

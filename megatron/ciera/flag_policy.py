@@ -11,8 +11,9 @@ names, types and defaults). What happens to its value is decided here, by :func:
     Only chooses a GPU kernel, fusion or backend (same model, same math up to rounding): honoured
     on GPU; on CPU the unfused/local path runs and the flags are reported once in one log line.
 ``feature:<name>``
-    Honoured by the module of that feature (``checkpoint``, ``eval``, ``data``, ``logging``: helper
-    14's modules). The lead flips any entry whose feature is not merged to ``rejected``.
+    Honoured by the module of that feature (``checkpoint``, ``eval``, ``data``, ``logging``:
+    :mod:`megatron.ciera.feature_args` lists what they honour); a flag of those families that they
+    do not honour is ``rejected``.
 ``rejected``
     Not implemented: setting it to anything but upstream's default is a start-up error naming the
     flag and the reason. Every flag that is neither a config field nor listed below is rejected
@@ -99,7 +100,7 @@ _REJECTED = {
     "use_precision_aware_optimizer": "the precision-aware optimizer is not supported",
 }
 
-# Helper 14's features (see the module docstring).
+# The feature modules' flag families (see the module docstring).
 _FEATURE_PATTERNS = [
     ("checkpoint", r"save|load|save_interval|no_load_optim|no_load_rng|load_optim|load_rng|finetune|async_save|"
                    r"dist_ckpt_.*|ckpt_.*|auto_detect_ckpt_format|non_persistent_.*|pretrained_checkpoint|"
@@ -131,6 +132,15 @@ def _config_fields() -> frozenset:
 
 
 @functools.lru_cache(maxsize=None)
+def _feature_honoured() -> frozenset:
+    """Dests the feature modules honour (:data:`megatron.ciera.feature_args.HONOURED_FLAGS`, and the
+    tokenizer flags :func:`megatron.ciera.data.build_tokenizer` reads)."""
+    from .feature_args import HONOURED_FLAGS
+
+    return frozenset(HONOURED_FLAGS) | {"tokenizer_type", "tokenizer_model", "vocab_file", "merge_file"}
+
+
+@functools.lru_cache(maxsize=None)
 def policy(dest: str) -> Policy:
     """The policy of the flag with this argparse dest."""
     if dest.startswith("ciera_") or dest in ("device", "log_interval"):
@@ -141,7 +151,9 @@ def policy(dest: str) -> Policy:
         return Policy(GPU, "the unfused / local path runs on CPU")
     for name, pattern in _FEATURE_PATTERNS:
         if re.fullmatch(pattern, dest):
-            return _feature(name)
+            if dest in _feature_honoured():
+                return _feature(name)
+            return Policy(REJECTED, f"not implemented by the {name} feature of this pretrain_gpt.py")
     if dest in _HONOURED or dest in _config_fields():
         return _H
     return Policy(REJECTED, DEFAULT_REASON)

@@ -42,10 +42,11 @@ class RunResult:
 
 
 def run_pretrain(flags: list[str], nproc: int = 2, timeout: float = 300, threads_per_rank: int = 1,
-                 workdir: str | None = None) -> RunResult:
-    """Launch ``pretrain_gpt.py flags`` with torchrun on ``nproc`` local ranks and wait."""
+                 workdir: str | None = None, loss_log: str | None = None) -> RunResult:
+    """Launch ``pretrain_gpt.py flags`` with torchrun on ``nproc`` local ranks and wait.
+    ``loss_log``: the ``--ciera-loss-log`` file to use (default: a temporary one)."""
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-        loss_log = os.path.join(tmp, "losses.txt")
+        loss_log = loss_log or os.path.join(tmp, "losses.txt")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                str(ROOT / "pretrain_gpt.py"), *flags, "--ciera-loss-log", loss_log]

@@ -20,6 +20,7 @@ every iteration and the same ``params sha256`` at the end, with or without CIERA
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import sys
 import time
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from . import bucket_group as ciera_binding
-from . import checkpointing, data, logging_utils, parallel
+from . import checkpointing, data, evaluation, logging_utils, parallel, timers
 from . import model as model_lib
 from .arguments import ciera_config_from_args, parse_args
 
@@ -158,17 +159,6 @@ def _save_snapshot(model, args, iteration):
         torch.save(snap, os.path.join(args.ciera_snapshot_dir, f"iter_{iteration:07d}.pt"))
 
 
-def _tensorboard_writer_class(args):
-    """Checked on every rank before anything starts, so that a missing package fails everywhere."""
-    if args.tensorboard_dir is None:
-        return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise SystemExit("--tensorboard-dir needs the 'tensorboard' package (pip install tensorboard)") from None
-    return SummaryWriter
-
-
 def _checkpoint_module(model):
     """What the checkpoint module saves: the chunk, or all chunks of a virtual pipeline."""
     return model[0] if len(model) == 1 else torch.nn.ModuleList(model)
@@ -179,147 +169,238 @@ def _report_cpu_ignored(args) -> None:
         _print0(f"CPU run: GPU-only choices not applied (the local/unfused path runs): {', '.join(args.cpu_ignored)}")
 
 
-def _iteration_loss(reports, args) -> float:
-    """The iteration's mean LM loss, on every rank: the last pipeline stage holds the reports;
-    sum (loss, tokens) over data- and context-parallel ranks, then over the pipeline."""
-    from megatron.core import parallel_state as ps
-
-    summed = (torch.stack([r["lm loss"] for r in reports]).sum(dim=0) if reports
-              else torch.zeros(2, dtype=torch.float32))
-    dist.all_reduce(summed, group=ps.get_data_parallel_group(with_context_parallel=True))
-    if args.pipeline_model_parallel_size > 1:
-        dist.all_reduce(summed, group=ps.get_pipeline_model_parallel_group())
-    return (summed[0] / summed[1]).item()
+def _device(args) -> str:
+    return "cuda" if args.device == "cuda" else "cpu"
 
 
-def train(args) -> str:
-    """Run the whole job; returns the final params sha256 (printed by rank 0)."""
-    writer_class = _tensorboard_writer_class(args)
-    parallel.initialize(args)
-    _report_cpu_ignored(args)
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    tokenizer = data.build_tokenizer(args)
-    vocab = data.padded_vocab_size(tokenizer.vocab_size,
-                                   args.make_vocab_size_divisible_by * args.tensor_model_parallel_size)
-    model, optimizer, scheduler, config, opt_config = build_model_and_optimizer(args, vocab)
-
+def _install_ciera(args, model, optimizer, opt_config):
+    """Step 4: CIERA on the DDP bucket groups (``None`` without ``--ciera-allgather``)."""
     ciera_config = ciera_config_from_args(args)
     if ciera_config is not None:
         n = ciera_binding.install(model, ciera_config, optimizer_config=opt_config, log=_print0,
                                   optimizer=optimizer)
         _print0(f"CIERA all-gather on {n} bucket group(s): {ciera_config}")
+    return ciera_config
 
-    layout = {"world": dist.get_world_size(), "tp": args.tensor_model_parallel_size,
-              "pp": args.pipeline_model_parallel_size, "vpp": args.virtual_pipeline_model_parallel_size,
-              "cp": args.context_parallel_size, "ep": args.expert_model_parallel_size,
-              "etp": args.expert_tensor_parallel_size, "dp": args.data_parallel_size,
-              "params_dtype": str(args.params_dtype)}
-    start_iter = 0
+
+def _load_checkpoint(args, model, optimizer, scheduler) -> int:
+    """Step 5: the checkpoint (if any); CIERA keeps no checkpoint state, its caches are dropped."""
+    start_iter = checkpointing.load(args, model=_checkpoint_module(model), optimizer=optimizer, scheduler=scheduler)
     if args.load:
-        start_iter = checkpointing.load(args.load, _checkpoint_module(model), optimizer, scheduler, layout, args.ckpt_step)
-        if start_iter:
-            ciera_binding.invalidate_param_caches(model)
-            _print0(f"loaded checkpoint {args.load} at iteration {start_iter}")
+        ciera_binding.invalidate_param_caches(model)  # the first gather after a load is raw
+    return start_iter
 
-    dataset = data.build_train_dataset(args, tokenizer)
-    dp_rank = parallel_state.get_data_parallel_rank()
-    batches = data.BatchOrder(dataset, args.micro_batch_size, args.data_parallel_size, dp_rank, args.num_microbatches)
-    forward_backward = get_forward_backward_func()
-    writer = writer_class(log_dir=args.tensorboard_dir) if writer_class and dist.get_rank() == 0 else None
-    loss_log = open(args.ciera_loss_log, "a" if start_iter else "w") if args.ciera_loss_log and dist.get_rank() == 0 else None
 
-    skipped = nan_iters = 0
+class _Run:
+    """What the loop's steps share: the model, optimizer, data, sinks and interval counters."""
+
+    def __init__(self, args, model, optimizer, scheduler, config, datasets, timers, ciera_config, start_iter):
+        from megatron.core import parallel_state
+
+        self.args, self.model, self.optimizer, self.scheduler = args, model, optimizer, scheduler
+        self.config, self.timers, self.ciera_config = config, timers, ciera_config
+        self.train_ds, self.valid_ds, self.test_ds = datasets
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        self.ep_group = parallel_state.get_expert_model_parallel_group()
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self.iteration = start_iter
+        self.writer = logging_utils.MetricWriter(args, start_iteration=start_iter, rank=dist.get_rank())
+        self.loss_log = (logging_utils.LossLog(args.ciera_loss_log, start_iteration=start_iter)
+                         if args.ciera_loss_log and dist.get_rank() == 0 else None)
+        self.losses = logging_utils.IntervalLosses()
+        self.skipped = self.nan_iters = 0
+        self.logged_stats = []  # CIERA counters at the last log line
+        self.flops_per_iteration = logging_utils.flops_per_iteration(args)
+
+
+def _train_step(run: _Run, batches):
+    """One iteration: forward-backward over the micro batches, optimizer step, LR step."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    args, timers = run.args, run.timers
+    for chunk in run.model:
+        chunk.zero_grad_buffer()
+    run.optimizer.zero_grad()
+    reports = get_forward_backward_func()(
+        forward_step_func=_forward_step, data_iterator=batches if len(run.model) > 1 else batches[0], model=run.model,
+        num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, forward_only=False)
+    timers("optimizer", log_level=1).start(barrier=args.barrier_with_L1_time)
+    update_successful, grad_norm, num_zeros = run.optimizer.step()
+    timers("optimizer").stop()
+    if run.ciera_config is not None and args.overlap_param_gather:
+        # Encode the new shards now; the next forward's pre-hooks only launch the gathers.
+        ciera_binding.prepare_param_gathers(run.model)
+    if update_successful:
+        run.scheduler.step(increment=args.global_batch_size)
+    else:
+        run.skipped += 1
+    run.iteration += 1
+    # (loss, tokens) summed over data- and context-parallel ranks, then over the pipeline (only the
+    # last stage holds reports); it stays on the device until the next log line.
+    summed = (torch.stack([r["lm loss"] for r in reports]).sum(dim=0) if reports
+              else torch.zeros(2, dtype=torch.float32, device=_device(args)))
+    dist.all_reduce(summed, group=run.dp_group)
+    if args.pipeline_model_parallel_size > 1:
+        dist.all_reduce(summed, group=run.pp_group)
+    run.losses.add(run.iteration, summed)
+    # The grad norm is on the host already (the optimizer's clipping synchronised for it).
+    if (args.check_for_nan_in_loss_and_grad and update_successful and grad_norm is not None
+            and not math.isfinite(grad_norm)):
+        raise SystemExit(f"iteration {run.iteration}: the gradient norm is {grad_norm} (NaN or Inf in the "
+                         "gradients); stopping before anything is saved (--no-check-for-nan-in-loss-and-grad "
+                         "trains on)")
+    return grad_norm, num_zeros
+
+
+def _log_interval(run: _Run, grad_norm, num_zeros, interval_start: float) -> None:
+    """Log line (rank 0), the timers block, CIERA's bucket table, TensorBoard / wandb scalars."""
+    args, it = run.args, run.iteration
+    steps = run.losses.flush()
+    if run.loss_log is not None:
+        run.loss_log.write(steps)
+    bad = logging_utils.nonfinite(steps)
+    run.nan_iters += len(bad)
+    if bad and args.check_for_nan_in_loss_and_grad:
+        raise SystemExit(f"iterations {bad}: the loss is NaN or Inf; stopping before anything is saved "
+                         "(--no-check-for-nan-in-loss-and-grad trains on)")
+    n = max(len(steps), 1)
+    seconds = (time.time() - interval_start) / n
+    mean = sum(v for _, v in steps) / n
+    stats = ciera_binding.bucket_stats(run.model) if run.ciera_config is not None else None
+    interval_stats = interval_bytes = None
+    if stats is not None:  # the iteration line and the table show this log interval
+        interval_stats = logging_utils.since(stats, run.logged_stats)
+        interval_bytes = logging_utils.totals(interval_stats)
+        run.logged_stats = stats
+    pnorm = logging_utils.params_norm(torch.nn.ModuleList([_unwrapped(c) for c in run.model]), expert_group=run.ep_group) if args.log_params_norm else None
+    throughput = (logging_utils.throughput_tflops(args, seconds_per_iteration=seconds, world_size=dist.get_world_size())
+                  if args.log_throughput else None)
+    lr = run.optimizer.param_groups[0]["lr"]
+    loss_scale = float(run.optimizer.get_loss_scale())
+    _print0(logging_utils.iteration_line(
+        iteration=it, train_iters=args.train_iters, consumed_samples=it * args.global_batch_size,
+        elapsed_ms=seconds * 1000, lr=lr, global_batch_size=args.global_batch_size, losses={"lm loss": mean},
+        loss_scale=loss_scale, grad_norm=grad_norm, skipped=run.skipped, nan_iters=run.nan_iters,
+        ciera_totals=interval_bytes, throughput=throughput,
+        num_zeros=num_zeros if args.log_num_zeros_in_grad else None, params_norm=pnorm))
+    w = run.writer if it % args.tensorboard_log_interval == 0 else None
+    timers.write_tensorboard(run.timers, w if w is not None and w.enabled else None, args=args, iteration=it,
+                             iterations=n)
+    codec_ms = timers.ciera_codec_ms(interval_stats, n) if interval_stats is not None else None
+    block = timers.timers_block(run.timers, args=args, iterations=n, codec_ms=codec_ms)
+    if block:
+        _print0(block)
+    if interval_stats:
+        _print0(logging_utils.bucket_table(
+            interval_stats, f"CIERA buckets, iterations {it - len(steps) + 1}-{it} (bytes rank 0 received):"))
+    if w is not None and w.enabled:
+        w.add_scalar("lm loss", mean, it)
+        if args.log_learning_rate_to_tensorboard:
+            w.add_scalar("learning-rate", lr, it)
+        if args.log_loss_scale_to_tensorboard:
+            w.add_scalar("loss-scale", loss_scale, it)
+        w.add_scalar("batch-size", args.global_batch_size, it)
+        w.add_scalar("iteration-time", seconds, it)
+        if grad_norm is not None:
+            w.add_scalar("grad-norm", grad_norm, it)
+        if args.log_num_zeros_in_grad and num_zeros is not None:
+            w.add_scalar("num-zeros", num_zeros, it)
+        if pnorm is not None:
+            w.add_scalar("params-norm", pnorm, it)
+        if throughput is not None:
+            w.add_scalar("throughput", throughput, it)
+        if args.log_memory_to_tensorboard:
+            for tag, value in logging_utils.memory_scalars().items():
+                w.add_scalar(tag, value, it)
+        if codec_ms is not None:
+            w.add_scalar("ciera-encode-time", codec_ms[0], it)
+            w.add_scalar("ciera-decode-time", codec_ms[1], it)
+        if interval_stats:
+            logging_utils.write_tensorboard(w, interval_stats, it)
+
+
+def _evaluate(run: _Run, *, split: str, index: int, prefix: str) -> None:
+    """Evaluate ``split`` (valid / test) slice ``index`` and report it."""
+    dataset = run.valid_ds if split == "valid" else run.test_ds
+    if dataset is None or not run.args.eval_iters:
+        return
+    batches = [data.eval_iterator(dataset, run.args, dp_rank=run.dp_rank, eval_index=index) for _ in run.model]
+    losses = evaluation.evaluate(forward_step_func=_forward_step, data_iterator=batches, model=run.model, args=run.args)
+    name = "validation" if split == "valid" else "test"
+    block = evaluation.report(losses, prefix=prefix, name=name, iteration=run.iteration,
+                              writer=run.writer if run.writer.enabled else None,
+                              log_ppl=run.args.log_validation_ppl_to_tensorboard)
+    _print0(block)
+
+
+def _save(run: _Run) -> None:
+    _sync_params(run.model, run.args)
+    checkpointing.save(run.args, iteration=run.iteration, model=_checkpoint_module(run.model), optimizer=run.optimizer,
+                       scheduler=run.scheduler, flops_so_far=run.iteration * run.flops_per_iteration)
+    _print0(f"saved checkpoint {run.args.save} at iteration {run.iteration}")
+
+
+def _train_loop(run: _Run) -> bool:
+    """Iterate to ``--train-iters`` (or ``--exit-interval``); True when training completed."""
+    args = run.args
+    # Every (virtual) stage reads the same micro batches: the first embeds the tokens, the last takes
+    # labels and loss mask, the others only position ids.
+    batches = [data.train_iterator(run.train_ds, args, dp_rank=run.dp_rank, start_iteration=run.iteration)
+               for _ in run.model]
     interval_start = time.time()
-    interval_losses = []
-    logged_stats = []  # CIERA counters at the last log line
-    iteration = start_iter
-    for chunk in model:
+    for chunk in run.model:
         chunk.train()
-    while iteration < args.train_iters:
-        for chunk in model:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        # Every (virtual) stage reads the same micro batches: the first embeds the tokens, the last
-        # takes labels and loss mask, the others only position ids.
-        iterators = [batches.iterator(iteration) for _ in model]
-        reports = forward_backward(
-            forward_step_func=_forward_step,
-            data_iterator=iterators if len(model) > 1 else iterators[0],
-            model=model,
-            num_microbatches=args.num_microbatches,
-            seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size,
-            forward_only=False,
-        )
-        update_successful, grad_norm, _ = optimizer.step()
-        if ciera_config is not None and args.overlap_param_gather:
-            # Encode the new shards now; the next forward's pre-hooks only launch the gathers.
-            ciera_binding.prepare_param_gathers(model)
-        if update_successful:
-            scheduler.step(increment=args.global_batch_size)
-        else:
-            skipped += 1
-        iteration += 1
+    while run.iteration < args.train_iters:
+        grad_norm, num_zeros = _train_step(run, batches)
+        it = run.iteration
+        if it % args.log_interval == 0 or it == args.train_iters:
+            _log_interval(run, grad_norm, num_zeros, interval_start)
+            interval_start = time.time()
+        if args.eval_interval and it % args.eval_interval == 0 and it < args.train_iters:
+            _evaluate(run, split="valid", index=evaluation.eval_index(it, args.eval_interval), prefix=f"iteration {it}")
+        if args.ciera_snapshot_interval and it % args.ciera_snapshot_interval == 0:
+            _sync_params(run.model, args)
+            _save_snapshot(run.model, args, it)
+        if args.save and args.save_interval and it % args.save_interval == 0:
+            _save(run)
+        if args.exit_interval and it % args.exit_interval == 0:
+            return it >= args.train_iters
+    return True
 
-        loss = _iteration_loss(reports, args)
-        if loss != loss:
-            nan_iters += 1
-        interval_losses.append(loss)
-        if loss_log is not None:
-            loss_log.write(f"{iteration} {float(loss).hex()}\n")
-            loss_log.flush()
 
-        if iteration % args.log_interval == 0 or iteration == args.train_iters:
-            elapsed_ms = (time.time() - interval_start) * 1000 / len(interval_losses)
-            stats = ciera_binding.bucket_stats(model) if ciera_config is not None else None
-            interval_bytes = interval_stats = None
-            if stats is not None:  # the iteration line and the table show this log interval
-                interval_stats = logging_utils.since(stats, logged_stats)
-                interval_bytes = logging_utils.totals(interval_stats)
-                logged_stats = stats
-            line = logging_utils.iteration_line(
-                iteration=iteration, train_iters=args.train_iters,
-                consumed_samples=iteration * args.global_batch_size, elapsed_ms=elapsed_ms,
-                lr=optimizer.param_groups[0]["lr"], global_batch_size=args.global_batch_size,
-                losses={"lm loss": sum(interval_losses) / len(interval_losses)},
-                loss_scale=float(optimizer.get_loss_scale()), grad_norm=grad_norm,
-                skipped=skipped, nan_iters=nan_iters,
-                ciera_totals=interval_bytes)
-            _print0(line)
-            if interval_stats:
-                _print0(logging_utils.bucket_table(
-                    interval_stats, f"CIERA buckets, iterations {iteration - len(interval_losses) + 1}-{iteration} "
-                                    f"(bytes rank 0 received):"))
-            if writer is not None:
-                writer.add_scalar("lm loss", interval_losses[-1], iteration)
-                writer.add_scalar("learning rate", optimizer.param_groups[0]["lr"], iteration)
-                if interval_stats:
-                    logging_utils.write_tensorboard(writer, interval_stats, iteration)
-            interval_start, interval_losses = time.time(), []
-
-        if args.ciera_snapshot_interval and iteration % args.ciera_snapshot_interval == 0:
-            _sync_params(model, args)
-            _save_snapshot(model, args, iteration)
-        if args.save and args.save_interval and iteration % args.save_interval == 0:
-            _sync_params(model, args)
-            checkpointing.save(args.save, iteration, _checkpoint_module(model), optimizer, scheduler, layout)
-            _print0(f"saved checkpoint {args.save} at iteration {iteration}")
-        if args.exit_interval and iteration % args.exit_interval == 0:
-            break
-
+def train(args) -> str:
+    """Run the whole job; returns the final params sha256 (printed by rank 0)."""
+    logging_utils.check_writer_packages(args)
+    parallel.initialize(args)
+    _report_cpu_ignored(args)
+    checkpointing.preflight(args)  # --save writable, no fresh start over checkpoints: before any work
+    tokenizer = data.build_tokenizer(args)
+    vocab = data.padded_vocab_size(tokenizer.vocab_size,
+                                   args.make_vocab_size_divisible_by * args.tensor_model_parallel_size)
+    args.padded_vocab_size = vocab
+    model, optimizer, scheduler, config, opt_config = build_model_and_optimizer(args, vocab)
+    step_timers = timers.build(args)
+    timers.attach(step_timers, model_config=config, optimizer_config=opt_config, args=args)
+    ciera_config = _install_ciera(args, model, optimizer, opt_config)
+    start_iter = _load_checkpoint(args, model, optimizer, scheduler)
+    datasets = data.build_datasets(args, tokenizer)
+    run = _Run(args, model, optimizer, scheduler, config, datasets, step_timers, ciera_config, start_iter)
+    completed = _train_loop(run)
     _sync_params(model, args)
-    if args.save and (not args.save_interval or iteration % args.save_interval != 0):
-        checkpointing.save(args.save, iteration, _checkpoint_module(model), optimizer, scheduler, layout)
-        _print0(f"saved checkpoint {args.save} at iteration {iteration}")
+    if args.save and (not args.save_interval or run.iteration % args.save_interval != 0):
+        _save(run)
+    if completed:  # as Megatron-LM: the valid and the test split once more at the end
+        it = run.iteration
+        _evaluate(run, split="valid", index=evaluation.eval_index(it + args.eval_interval, args.eval_interval),
+                  prefix=f"iteration {it} on validation set")
+        _evaluate(run, split="test", index=0, prefix=f"iteration {it} on test set")
     if ciera_config is not None:
-        stats = ciera_binding.bucket_stats(model)
-        _print0(logging_utils.bucket_table(stats, "CIERA summary (bytes received by rank 0):"))
-    if loss_log is not None:
-        loss_log.close()
-    if writer is not None:
-        writer.close()
+        _print0(logging_utils.bucket_table(ciera_binding.bucket_stats(model), "CIERA summary (bytes received by rank 0):"))
+    if run.loss_log is not None:
+        run.loss_log.close()
+    run.writer.close()
     digest = params_sha256(model)
     _print0(f"params sha256: {digest}")
     return digest

@@ -14,6 +14,10 @@ def _args(extra):
 
 
 def test_indexed_dataset_and_batch_order(tmp_path):
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     prefix = str(tmp_path / "toy_text_document")
@@ -26,7 +30,7 @@ def test_indexed_dataset_and_batch_order(tmp_path):
 
     args = _args(["--data-path", prefix, "--split", "100,0,0", "--data-cache-path", str(tmp_path / "cache")])
     tokenizer = data.build_tokenizer(args)
-    dataset = data.build_train_dataset(args, tokenizer)
+    dataset = data.build_datasets(args, tokenizer)[0]
     assert len(dataset) >= args.train_iters * args.global_batch_size
     order = [data.BatchOrder(dataset, 2, 2, r, args.num_microbatches) for r in (0, 1)]
     batch = order[1].micro_batch(iteration=2, index=1)

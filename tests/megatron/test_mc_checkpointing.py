@@ -1,0 +1,309 @@
+"""megatron.ciera.checkpointing: torch_dist checkpoints that resume bit for bit and lose nothing.
+
+In-process tests (a one-rank gloo group) cover the rules: refuse a fresh start over existing
+checkpoints, unwritable --save, checksums naming the damaged file, fallback to the previous good
+checkpoint, atomic saves. Multi-process tests run pretrain_gpt.py: save / resume exactness with
+CIERA (every iteration's loss and the params sha256), resume at another layout, a damaged
+checkpoint failing on every rank, NaN stopping the run.
+"""
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+
+from megatron.ciera import checkpointing
+from megatron.ciera.launch import run_pretrain
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_mc_training import CIERA, OVERLAP, TINY, run  # noqa: E402  (shared, cached runs)
+
+
+@pytest.fixture(scope="module")
+def one_rank_group(tmp_path_factory):
+    if not dist.is_initialized():
+        store = str(tmp_path_factory.mktemp("pg") / "store")
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    # left initialised for the other tests of this process (destroying it is not re-entrant)
+
+
+def _args(**kw):
+    base = dict(save=None, load=None, finetune=False, exit_on_missing_checkpoint=False, overwrite_checkpoints=False,
+                ckpt_step=None, ckpt_fallback_to_previous=False)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def _fake_checkpoint(root, iteration, payload=b"x" * 10000):
+    """A folder shaped like a torch_dist checkpoint, with checksums, counted by the tracker."""
+    folder = checkpointing.iteration_dir(str(root), iteration)
+    os.makedirs(folder)
+    for name in ("common.pt", "metadata.json", "__0_0.distcp", "__0_1.distcp"):
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(payload + name.encode())
+    checkpointing._write_checksums(folder)
+    with open(os.path.join(root, checkpointing.TRACKER), "w") as f:
+        f.write(str(iteration))
+    return folder
+
+
+def test_mistyped_load_refuses_to_overwrite_checkpoints(one_rank_group, tmp_path):
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    _fake_checkpoint(save, 60)
+    for args in (_args(save=str(save), load=str(tmp_path / "ckpt-typo")), _args(save=str(save))):
+        with pytest.raises(SystemExit, match=r"refusing to start.*latest iteration 60.*--overwrite-checkpoints"):
+            checkpointing.preflight(args)
+    checkpointing.preflight(_args(save=str(save), load=str(tmp_path / "typo"), overwrite_checkpoints=True))
+    checkpointing.preflight(_args(save=str(save), load=str(save)))  # the normal resume
+    with pytest.raises(SystemExit, match="holds no checkpoint"):
+        checkpointing.preflight(_args(load=str(tmp_path / "typo"), exit_on_missing_checkpoint=True))
+    assert checkpointing.latest_iteration(str(save)) == 60  # nothing was touched
+
+
+def test_unwritable_save_fails_at_start_up(one_rank_group, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(SystemExit, match=r"--save .*a-file/ckpt is not writable by rank 0"):
+        checkpointing.preflight(_args(save=str(blocker / "ckpt")))
+
+
+def test_interrupted_save_leftovers_are_removed_and_never_loaded(one_rank_group, tmp_path):
+    _fake_checkpoint(tmp_path, 10)
+    half = tmp_path / "iter_0000020.incomplete"
+    half.mkdir()
+    (half / "__0_0.distcp").write_bytes(b"partial")
+    assert checkpointing.complete_iterations(str(tmp_path)) == [10]
+    checkpointing.preflight(_args(save=str(tmp_path), load=str(tmp_path)))
+    assert not half.exists() and checkpointing.latest_iteration(str(tmp_path)) == 10
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_damaged_checkpoint_is_named_or_falls_back(one_rank_group, tmp_path, damage):
+    _fake_checkpoint(tmp_path, 10)
+    folder = _fake_checkpoint(tmp_path, 20)
+    victim = os.path.join(folder, "__0_1.distcp")
+    if damage == "flip":
+        data = bytearray(open(victim, "rb").read())
+        data[100:4196] = bytes(b ^ 0xFF for b in data[100:4196])  # 4 KB of flipped bytes
+        open(victim, "wb").write(bytes(data))
+    elif damage == "truncate":
+        os.truncate(victim, 17)
+    else:
+        os.remove(victim)
+    problems = checkpointing.verify(folder)
+    assert len(problems) == 1 and victim in problems[0]
+    with pytest.raises(SystemExit, match=r"iter_0000020 failed verification:\n  .*__0_1\.distcp"):
+        checkpointing._choose(_args(load=str(tmp_path)))
+    plan = checkpointing._choose(_args(load=str(tmp_path), ckpt_fallback_to_previous=True))
+    assert plan.iteration == 10 and plan.folder.endswith("iter_0000010")
+    assert checkpointing.verify(plan.folder) == []
+
+
+def test_ckpt_step_and_checkpoints_without_checksums(one_rank_group, tmp_path, capsys):
+    _fake_checkpoint(tmp_path, 10)
+    _fake_checkpoint(tmp_path, 20)
+    assert checkpointing._choose(_args(load=str(tmp_path), ckpt_step=10)).iteration == 10
+    os.remove(os.path.join(checkpointing.iteration_dir(str(tmp_path), 20), checkpointing.CHECKSUMS))
+    assert checkpointing._choose(_args(load=str(tmp_path))).iteration == 20  # Megatron-LM-written: unverified
+    assert "loading it unverified" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="does not exist"):
+        checkpointing._choose(_args(load=str(tmp_path), ckpt_step=30))
+
+
+# ---------------------------------------------------------------------------------------------
+# pretrain_gpt.py on gloo ranks
+
+ITERS = 6
+EVAL = ["--eval-interval", "3", "--eval-iters", "1", "--num-workers", "1"]
+
+
+def _flags(*extra, iters=ITERS):
+    return [*TINY, "--train-iters", str(iters), "--global-batch-size", "8", *extra]
+
+
+def _eval_lines(result):
+    return [line for line in result.output.splitlines() if " loss at iteration" in line]
+
+
+def _interval_means(result):
+    """{iteration: 'lm loss'} of the log lines (printed with 7 significant digits)."""
+    out = {}
+    for line in result.iteration_lines():
+        it = int(line.split("iteration")[1].split("/")[0])
+        out[it] = float(line.split("lm loss:")[1].split("|")[0])
+    return out
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """Uninterrupted run with CIERA, checkpoints every 3 iterations, evaluation, TensorBoard."""
+    root = tmp_path_factory.mktemp("whole")
+    result = run_pretrain(_flags(*CIERA, *EVAL, "--save", str(root / "ckpt"), "--save-interval", "3",
+                                 "--tensorboard-dir", str(root / "tb")), nproc=2, timeout=300)
+    assert result.returncode == 0, result.output[-4000:]
+    return result, root
+
+
+def test_saving_and_evaluation_do_not_perturb_training(whole):
+    result, root = whole
+    stock = run()  # no CIERA, no checkpoints, no evaluation (shared with test_mc_training)
+    assert result.losses == stock.losses and result.sha256 == stock.sha256
+    assert checkpointing.complete_iterations(str(root / "ckpt")) == [3, 6]
+    assert checkpointing.latest_iteration(str(root / "ckpt")) == 6
+    folder = checkpointing.iteration_dir(str(root / "ckpt"), 3)
+    assert {"metadata.json", "common.pt", checkpointing.CHECKSUMS} <= set(os.listdir(folder))
+
+
+def test_checkpoint_has_megatron_core_keys(whole):
+    from megatron.core import dist_checkpointing
+
+    _, root = whole
+    folder = checkpointing.iteration_dir(str(root / "ckpt"), 3)
+    common = dist_checkpointing.load_common_state_dict(folder)
+    assert common["iteration"] == 3 and common["checkpoint_version"] == 3.0
+    assert {"args", "opt_param_scheduler", "num_floating_point_operations_so_far"} <= set(common)
+    keys = set(dist_checkpointing.load_tensors_metadata(folder))
+    # GPTModel's own sharded keys (layers stacked along a leading axis, experts by global index)
+    assert "embedding.word_embeddings.weight" in keys and "output_layer.weight" in keys
+    assert "decoder.layers.self_attention.linear_qkv.weight" in keys
+    assert any(k.startswith("decoder.layers.mlp.experts.") for k in keys)
+    assert any(k.startswith("optimizer.") for k in keys)
+    assert dist_checkpointing.load_content_metadata(folder)["distrib_optim_sharding_type"] == "fully_reshardable"
+
+
+def test_resume_after_a_crash_matches_the_uninterrupted_run(whole, tmp_path):
+    """The state a run killed during iteration 5 leaves: checkpoint 3 is the latest, a half-written
+    iter_6 folder, loss-log lines of iterations 4-5. The resume repeats no iteration and ends
+    with the uninterrupted run's losses, validation numbers and params sha256."""
+    result, root = whole
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(root / "ckpt" / "iter_0000003", ckpt / "iter_0000003")
+    (ckpt / checkpointing.TRACKER).write_text("3")
+    (ckpt / "iter_0000006.incomplete").mkdir()
+    log = tmp_path / "losses.txt"
+    log.write_text("".join(f"{i} {result.losses[i].hex()}\n" for i in range(1, 6)))
+    shutil.copytree(root / "tb", tmp_path / "tb")  # the interrupted run's events, steps 2, 4 and 6
+    resumed = run_pretrain(_flags(*CIERA, *EVAL, "--save", str(ckpt), "--load", str(ckpt),
+                                  "--save-interval", "3", "--tensorboard-dir", str(tmp_path / "tb")),
+                           nproc=2, timeout=300, loss_log=str(log))
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert "loaded checkpoint" in resumed.output and "removing" in resumed.output
+    assert resumed.losses == result.losses  # iterations 1-3 kept, 4-6 rewritten, none twice
+    assert [line.split()[0] for line in log.read_text().splitlines()] == [str(i) for i in range(1, ITERS + 1)]
+    assert resumed.sha256 == result.sha256
+    assert _eval_lines(resumed) == _eval_lines(result)[-len(_eval_lines(resumed)):]
+    assert not (ckpt / "iter_0000006.incomplete").exists() and checkpointing.latest_iteration(str(ckpt)) == 6
+    # TensorBoard: purge_step dropped the interrupted run's steps past 3; each step once, with the
+    # interval mean its log line printed (step 4's interval is the resumed iteration 4 alone)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    loss = {e.step: e.value for e in acc.Scalars("lm loss")}
+    assert sorted(loss) == [2, 4, 6] and [e.step for e in acc.Scalars("lm loss")] == [2, 4, 6]
+    assert loss[2] == pytest.approx(_interval_means(result)[2], rel=1e-6)
+    assert loss[4] == pytest.approx(_interval_means(resumed)[4], rel=1e-6) == pytest.approx(result.losses[4])
+    assert loss[6] == pytest.approx((result.losses[5] + result.losses[6]) / 2, rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="known issue: resume under --overlap-param-gather is not exact (guarded)")
+def test_resume_under_overlapped_param_gather_is_refused(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    first = run_pretrain(_flags(*OVERLAP, "--save", str(ckpt), iters=2), nproc=2, timeout=300)
+    assert first.returncode == 0, first.output[-3000:]
+    resumed = run_pretrain(_flags(*OVERLAP, "--load", str(ckpt), iters=4), nproc=2, timeout=300)
+    assert resumed.returncode == 0  # fails today: the guard refuses, naming --overlap-param-gather
+
+
+@pytest.mark.slow
+def test_resume_at_another_data_parallel_size(whole):
+    """Checkpoint 3 of the 2-rank run (DP 2) loads on one rank (DP 1): dist-ckpt reshards the
+    distributed optimizer; training goes on from the same state (not bit for bit: the reduction
+    order differs), the first loss after the resume matches to bf16 precision."""
+    result, root = whole
+    resumed = run_pretrain(_flags(*CIERA, "--load", str(root / "ckpt"), "--ckpt-step", "3", "--eval-iters", "0",
+                                  iters=4), nproc=1, timeout=300)
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert sorted(resumed.losses) == [4]
+    assert abs(resumed.losses[4] - result.losses[4]) < 2e-2 * abs(result.losses[4])
+
+
+def test_damaged_checkpoint_fails_on_every_rank(whole, tmp_path):
+    _, root = whole
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(root / "ckpt", ckpt)
+    victim = ckpt / "iter_0000006" / "__0_1.distcp"
+    data = bytearray(victim.read_bytes())
+    data[-5000:-904] = bytes(b ^ 0xFF for b in data[-5000:-904])
+    victim.write_bytes(bytes(data))
+    failed = run_pretrain(_flags(*CIERA, "--load", str(ckpt)), nproc=2, timeout=300)
+    assert failed.returncode != 0 and failed.sha256 is None
+    # every rank raises the same message naming the file
+    assert failed.output.count("iter_0000006/__0_1.distcp is damaged") >= 2, failed.output[-3000:]
+    assert "loaded checkpoint" not in failed.output
+
+
+def test_nan_loss_stops_with_a_nonzero_exit(tmp_path):
+    failed = run_pretrain(_flags("--init-method-std", "1e30", "--save", str(tmp_path / "ckpt"), iters=2),
+                          nproc=2, timeout=300)
+    assert failed.returncode != 0
+    assert "NaN or Inf" in failed.output, failed.output[-3000:]
+    assert checkpointing.complete_iterations(str(tmp_path / "ckpt")) == []  # nothing saved
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_then_resume_is_bit_exact(tmp_path):
+    """A real kill: SIGKILL the job after its checkpoint at 4, resume, compare with the whole run
+    (plain gather and CIERA)."""
+    for flags in ([], CIERA):
+        whole = run(*flags, iters=8)
+        ckpt, log = tmp_path / f"ckpt{len(flags)}", tmp_path / f"losses{len(flags)}.txt"
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29713",
+                "pretrain_gpt.py", *_flags(*flags, "--save", str(ckpt), "--save-interval", "4", iters=8),
+                "--ciera-loss-log", str(log)]
+        proc = subprocess.Popen(argv, cwd=os.path.dirname(checkpointing.__file__) + "/../..", start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 240
+        while checkpointing.latest_iteration(str(ckpt)) != 4 and time.time() < deadline:
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert checkpointing.latest_iteration(str(ckpt)) == 4
+        resumed = run_pretrain(_flags(*flags, "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "4",
+                                      iters=8), nproc=2, timeout=300, loss_log=str(log))
+        assert resumed.returncode == 0, resumed.output[-4000:]
+        assert resumed.losses == whole.losses and resumed.sha256 == whole.sha256
+
+
+@pytest.mark.slow
+def test_resume_at_another_expert_parallel_layout(tmp_path):
+    """EP 2 on 4 ranks -> EP 1 on 2 ranks and DP 4 -> DP 2 (experts and optimizer reshard)."""
+    ckpt = tmp_path / "ckpt"
+    first = run_pretrain(_flags("--expert-model-parallel-size", "2", *CIERA, "--save", str(ckpt), iters=3),
+                         nproc=4, timeout=400)
+    assert first.returncode == 0, first.output[-4000:]
+    whole = run_pretrain(_flags("--expert-model-parallel-size", "2", *CIERA, iters=4), nproc=4, timeout=400)
+    resumed = run_pretrain(_flags(*CIERA, "--load", str(ckpt), iters=4), nproc=2, timeout=400)
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert abs(resumed.losses[4] - whole.losses[4]) < 2e-2 * abs(whole.losses[4])
+
+
+@pytest.mark.slow
+def test_finetune_and_no_load_optim(whole, tmp_path):
+    _, root = whole
+    tuned = run_pretrain(_flags("--load", str(root / "ckpt"), "--finetune", "--save", str(tmp_path / "ft"),
+                                iters=2), nproc=2, timeout=300)
+    assert tuned.returncode == 0 and sorted(tuned.losses) == [1, 2], tuned.output[-3000:]
+    fresh = run_pretrain(_flags("--load", str(root / "ckpt"), "--no-load-optim", "--no-load-rng", iters=7),
+                         nproc=2, timeout=300)
+    assert fresh.returncode == 0 and sorted(fresh.losses) == [7], fresh.output[-3000:]
+
