@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup native demo test test-all bench
+.PHONY: setup native demo test test-all bench bench-codec
 
 setup: $(VENV)/.installed
 
@@ -30,3 +30,9 @@ test-all: setup
 bench: setup
 	$(BIN)/python tools/bench_codec.py
 	$(BIN)/python tools/bench_allgather.py
+
+# Issue 16's codec table in one command: reference vs native (1 and 2 threads) vs ZipNN and zstd.
+bench-codec: setup
+	$(BIN)/python -m pip install -q -e '.[cpu,triton,dev,peers]'
+	$(BIN)/python tools/bench_codec.py --lr 1e-4 --steps 8 --clock cpu
+	$(BIN)/python tools/bench_codec.py --lr 1e-4 --steps 8
