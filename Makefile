@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup native demo test test-all bench test-megatron-latest testbed-setup demo-cluster bench-cluster
+.PHONY: setup native demo test test-all bench bench-codec test-megatron-latest testbed-setup demo-cluster bench-cluster
 
 setup: $(VENV)/.installed
 
@@ -60,3 +60,9 @@ test-megatron-latest:
 	$(VENV312)/bin/python -m pip install -q -e '.[triton,dev]'
 	$(VENV312)/bin/python -c "import megatron.core, torch; print('megatron-core', megatron.core.__version__, 'torch', torch.__version__)"
 	$(VENV312)/bin/python -m pytest -q tests/megatron
+
+# Issue 16's codec table in one command: reference vs native (1 and 2 threads) vs ZipNN and zstd.
+bench-codec: setup
+	$(BIN)/python -m pip install -q -e '.[cpu,triton,dev,peers]'
+	$(BIN)/python tools/bench_codec.py --lr 1e-4 --steps 8 --clock cpu
+	$(BIN)/python tools/bench_codec.py --lr 1e-4 --steps 8

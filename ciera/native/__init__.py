@@ -21,6 +21,8 @@ Why C11 + OpenMP behind ctypes, built by ``setup.py``:
   ``torch.compile``'s C++ backend cannot express the sequential bit packing without graph breaks.
 * OpenMP threads follow ``torch.get_num_threads()``; each call cuts its shard into that many
   chunks of whole blocks, so the bytes never depend on the thread count.
+* One portable build: the hot loops also get an AVX2 clone chosen at load time (GCC
+  ``target_clones``), no ``-march=native``; speeds and the choice of peers are in BENCHMARKS.md.
 
 ``CIERA_NATIVE=0`` in the environment disables the library (the references run).
 """
