@@ -174,7 +174,7 @@ class Codec(abc.ABC):
         the payloads' device and are never read on the host here; payload lengths come from their
         headers. Bit-identical to :meth:`decode` on each payload.
 
-        Implementations (``decode_many_<impl>``, see CONTRACT.md): the Triton twin issues a fixed
+        Implementations (``decode_many_<impl>``): the Triton twin issues a fixed
         number of launches independent of ``len(rows)``; the reference loops over rows."""
         if targets.dim() != 2 or targets.shape[1] != self.numel or targets.dtype != self.dtype \
                 or not targets.is_contiguous():

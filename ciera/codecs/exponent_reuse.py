@@ -165,7 +165,7 @@ def decode_reference(*, layout: ExponentReuseLayout, payload: torch.Tensor, targ
 
 def decode_many_reference(*, layout, payloads: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor,
                           targets_bits: torch.Tensor) -> None:
-    """Pure-torch batched decoder (CONTRACT.md item 3): :func:`decode_reference` on each payload of
+    """Pure-torch batched decoder (see Codec.decode_many): :func:`decode_reference` on each payload of
     flat ``payloads`` starting at ``offsets[i]``, into row ``rows[i]`` of ``targets_bits``."""
     decode_many_loop(decode_reference, layout=layout, payloads=payloads, rows=rows, offsets=offsets,
                      targets_bits=targets_bits)

@@ -246,7 +246,7 @@ def _decode_tiles(payload_ptr, target_ptr, counter_ptr, flags_ptr, rows_ptr, off
     T: tl.constexpr = TB * B
     epoch, row, vid = _tile_id(counter_ptr, k, n_full, n_tiles, EVEN)
     if BATCHED:
-        pbase = tl.multiple_of(tl.load(offsets_ptr + row), 16)  # 16-byte aligned (CONTRACT.md)
+        pbase = tl.multiple_of(tl.load(offsets_ptr + row), 16)  # 16-byte aligned (see Codec.decode_many)
         target_ptr += tl.load(rows_ptr + row) * n
     else:
         pbase = row * 0
@@ -405,7 +405,7 @@ def decode_triton(*, layout: DeltaLayout, payload: torch.Tensor, target_bits: to
 
 def decode_many_triton(*, layout: DeltaLayout, payloads: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor,
                        targets_bits: torch.Tensor) -> None:
-    """Batched twin of :func:`decode_triton` (CONTRACT.md): payload ``i`` starts at byte ``offsets[i]``
+    """Batched twin of :func:`decode_triton` (see Codec.decode_many): payload ``i`` starts at byte ``offsets[i]``
     of ``payloads`` and decodes into row ``rows[i]`` of ``targets_bits`` (``[world, n]``).
 
     The same kernel over ``k x tiles`` programs (a second launch for the partial last tiles),

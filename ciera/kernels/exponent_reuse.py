@@ -152,7 +152,7 @@ def _row_bases(rows_ptr, offsets_ptr, n, BATCHED: tl.constexpr):
     ``rows`` / ``offsets`` in a batched decode; (0, 0) otherwise."""
     if BATCHED:
         r = tl.program_id(1)
-        # Payloads start 16-byte aligned (CONTRACT.md): lets the sign|mantissa bytes vectorise.
+        # Payloads start 16-byte aligned (see Codec.decode_many): lets the sign|mantissa bytes vectorise.
         return tl.multiple_of(tl.load(offsets_ptr + r), 16), tl.load(rows_ptr + r) * n
     else:
         return tl.zeros([], tl.int64), tl.zeros([], tl.int64)
@@ -323,7 +323,7 @@ def decode_triton(*, layout: ExponentReuseLayout, payload: torch.Tensor, target_
 
 def decode_many_triton(*, layout: ExponentReuseLayout, payloads: torch.Tensor, rows: torch.Tensor,
                        offsets: torch.Tensor, targets_bits: torch.Tensor) -> None:
-    """Batched twin of :func:`decode_triton` (CONTRACT.md): payload ``i`` starts at byte
+    """Batched twin of :func:`decode_triton` (see Codec.decode_many): payload ``i`` starts at byte
     ``offsets[i]`` of ``payloads`` and decodes into row ``rows[i]`` of ``targets_bits``
     (``[world, n]``). Two launches and one cumsum whatever ``k``; no host reads; scratch cached
     per (tiles, k, device). Each payload's capacity comes from its own header."""

@@ -126,7 +126,7 @@ def raise_for(name: str, rc: int) -> None:
 
 def decode_many(*, name: str, codec_id: int, clayout, bits_dtype: torch.dtype, numel: int, payloads: torch.Tensor,
                 rows: torch.Tensor, offsets: torch.Tensor, targets_bits: torch.Tensor) -> None:
-    """Shared body of the codecs' ``decode_many_native`` (see CONTRACT: rows, offsets, headers)."""
+    """Shared body of the codecs' ``decode_many_native`` (see Codec.decode_many: rows, offsets, headers)."""
     check(name, "payloads", payloads, torch.uint8)
     check(name, "rows", rows, torch.int64)
     check(name, "offsets", offsets, torch.int64, rows.numel())

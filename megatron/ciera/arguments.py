@@ -22,7 +22,8 @@ from pathlib import Path
 
 from . import flag_policy
 from .data import TOKENIZERS as _TOKENIZERS
-from .feature_args import add_checkpoint_eval_data_logging_args, validate_checkpoint_eval_data_logging_args
+from .feature_args import (add_checkpoint_eval_data_logging_args, feature_dests,
+                           validate_checkpoint_eval_data_logging_args)
 
 __all__ = ["build_parser", "parse_args", "validate_args", "ciera_config_from_args", "upstream_flags"]
 
@@ -182,7 +183,7 @@ def _te_installed() -> bool:
 def _check_policies(args, err) -> list[str]:
     """Rejected flags set to a non-default value are errors; returns the GPU-only flags set to a
     non-default value (reported on CPU)."""
-    gpu_only, seen = [], set()
+    gpu_only, seen = [], set(feature_dests())  # the feature flags are checked by feature_args
     for flag in upstream_flags():
         if flag["dest"] in seen:  # a dest two flags share takes the first one's default
             continue

@@ -221,10 +221,19 @@ def _materialise_optimizer_state(optimizer) -> None:
             p.grad = None
 
 
+def _model_keys(model) -> list[tuple[str, object]]:
+    """(state dict key, chunk) as Megatron-LM names them: ``model``, or ``model0``, ``model1``, ...
+    with virtual pipeline stages (``model`` may be one module or the list of chunks)."""
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    if len(chunks) == 1:
+        return [("model", chunks[0])]
+    return [(f"model{i}", chunk) for i, chunk in enumerate(chunks)]
+
+
 def _sharded_state_dict(model, optimizer, *, metadata: dict, with_optimizer: bool, with_rng: bool,
                         is_loading: bool) -> dict:
-    model_sd = _unwrap(model).sharded_state_dict(metadata=metadata)
-    state = {"model": model_sd}
+    state = {key: _unwrap(chunk).sharded_state_dict(metadata=metadata) for key, chunk in _model_keys(model)}
+    model_sd = state["model"] if "model" in state else dict(state)
     if with_optimizer and is_loading:
         _materialise_optimizer_state(optimizer)
     if with_optimizer:
@@ -476,7 +485,8 @@ def load(args: argparse.Namespace, *, model, optimizer, scheduler) -> int:
     if isinstance(state, tuple):  # the 'return_*' strictness modes also return the mismatching keys
         state, missing, unexpected = state
         _print0(f"checkpoint key mismatch: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
-    _unwrap(model).load_state_dict(state["model"], strict=args.dist_ckpt_strictness != "ignore_all")
+    for key, chunk in _model_keys(model):
+        _unwrap(chunk).load_state_dict(state[key], strict=args.dist_ckpt_strictness != "ignore_all")
     if with_optimizer:
         with _torch_adam_step_fix(optimizer):
             optimizer.load_state_dict(state["optimizer"])

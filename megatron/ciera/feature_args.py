@@ -14,10 +14,11 @@ Megatron-LM's are marked "(CIERA-Megatron)" in their help.
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import Callable
 
 __all__ = ["add_checkpoint_eval_data_logging_args", "validate_checkpoint_eval_data_logging_args",
-           "HONOURED_FLAGS"]
+           "HONOURED_FLAGS", "feature_dests"]
 
 STRICTNESS = ["assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
               "return_unexpected", "return_all", "ignore_all"]
@@ -40,7 +41,7 @@ def add_checkpoint_eval_data_logging_args(parser: argparse.ArgumentParser) -> ar
     g.add_argument("--ckpt-format", default="torch_dist",
                    choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"],
                    help="checkpoint format; this entry point writes and reads torch_dist")
-    g.add_argument("--async-save", action="store_true", default=None, help="not supported here (clear error)")
+    g.add_argument("--async-save", action="store_true", help="not supported here (clear error)")
     g.add_argument("--dist-ckpt-strictness", default="assume_ok_unexpected", choices=STRICTNESS,
                    help="what a key mismatch between checkpoint and model does on load")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
@@ -57,12 +58,13 @@ def add_checkpoint_eval_data_logging_args(parser: argparse.ArgumentParser) -> ar
 
     g = parser.add_argument_group("validation")
     g.add_argument("--eval-iters", type=int, default=100, help="iterations per evaluation (0: none)")
-    g.add_argument("--eval-interval", type=int, default=1000, help="iterations between evaluations on the valid split")
+    g.add_argument("--eval-interval", type=int, default=None,
+                   help="iterations between evaluations on the valid split (default: none, only at the end)")
 
     g = parser.add_argument_group("data")
     g.add_argument("--mock-data", action="store_true", help="synthetic data (megatron-core's MockGPTDataset)")
     g.add_argument("--data-path", nargs="*", default=None, help="[weight] prefix ... of .bin/.idx datasets")
-    g.add_argument("--split", default="969,30,1", help="train,valid,test proportions of --data-path")
+    g.add_argument("--split", default=None, help="train,valid,test proportions of --data-path (default 969,30,1)")
     g.add_argument("--train-data-path", nargs="*", default=None, help="[weight] prefix ... of the train split")
     g.add_argument("--valid-data-path", nargs="*", default=None, help="[weight] prefix ... of the valid split")
     g.add_argument("--test-data-path", nargs="*", default=None, help="[weight] prefix ... of the test split")
@@ -88,11 +90,11 @@ def add_checkpoint_eval_data_logging_args(parser: argparse.ArgumentParser) -> ar
     g.add_argument("--timing-log-option", default="minmax", choices=["max", "minmax", "all"])
     g.add_argument("--log-timers-to-tensorboard", action="store_true")
     g.add_argument("--no-barrier-with-L1-time", action="store_false", dest="barrier_with_L1_time")
-    g.add_argument("--wandb-project", default="", help="Weights & Biases project (enables wandb)")
-    g.add_argument("--wandb-exp-name", default="", help="Weights & Biases run name")
-    g.add_argument("--wandb-save-dir", default="", help="wandb files (default: <--save>/wandb); "
+    g.add_argument("--wandb-project", default=None, help="Weights & Biases project (enables wandb)")
+    g.add_argument("--wandb-exp-name", default=None, help="Weights & Biases run name")
+    g.add_argument("--wandb-save-dir", default=None, help="wandb files (default: <--save>/wandb); "
                                                         "WANDB_MODE=offline works without network")
-    g.add_argument("--wandb-entity", default="")
+    g.add_argument("--wandb-entity", default=None)
     return parser
 
 
@@ -110,6 +112,14 @@ HONOURED_FLAGS = (
 """Destinations of the flags above that the feature modules honour (``async_save`` is rejected)."""
 
 
+@functools.lru_cache(maxsize=None)
+def feature_dests() -> frozenset:
+    """Every dest :func:`add_checkpoint_eval_data_logging_args` defines (checked here, not by the
+    upstream flag policy)."""
+    parser = add_checkpoint_eval_data_logging_args(argparse.ArgumentParser(add_help=False))
+    return frozenset(action.dest for action in parser._actions)
+
+
 def validate_checkpoint_eval_data_logging_args(args: argparse.Namespace, err: Callable[[str], None]) -> None:
     """Report every invalid combination of the flags above through ``err`` (messages name the flags)."""
     if args.ckpt_format != "torch_dist":
@@ -122,9 +132,6 @@ def validate_checkpoint_eval_data_logging_args(args: argparse.Namespace, err: Ca
         value = getattr(args, name)
         if value is not None and value < 1:
             err(f"--{name.replace('_', '-')} {value} must be >= 1")
-    if (args.save or args.load) and (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1:
-        err("--save / --load with virtual pipeline stages: checkpoints of several model chunks per rank "
-            "are not implemented yet (drop --num-layers-per-virtual-pipeline-stage, or the checkpoint flags)")
     if args.save_interval is not None and args.save is None:
         err("--save-interval needs --save")
     if args.eval_iters < 0:
@@ -137,6 +144,8 @@ def validate_checkpoint_eval_data_logging_args(args: argparse.Namespace, err: Ca
         err("--ckpt-step needs --load")
     if args.ckpt_step is not None and args.ckpt_step < 0:
         err(f"--ckpt-step {args.ckpt_step} must be >= 0")
+    if args.split is None:  # Megatron-LM's legacy default
+        args.split = "969,30,1"
     per_split = [args.train_data_path, args.valid_data_path, args.test_data_path]
     sources = sum([bool(args.mock_data), bool(args.data_path), any(p is not None for p in per_split)])
     if sources != 1:

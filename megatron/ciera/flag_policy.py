@@ -137,7 +137,21 @@ def _feature_honoured() -> frozenset:
     tokenizer flags :func:`megatron.ciera.data.build_tokenizer` reads)."""
     from .feature_args import HONOURED_FLAGS
 
-    return frozenset(HONOURED_FLAGS) | {"tokenizer_type", "tokenizer_model", "vocab_file", "merge_file"}
+    return frozenset(HONOURED_FLAGS) | {"tokenizer_type", "tokenizer_model", "vocab_file", "merge_file",
+                                        "logging_level"} | set(_CHECKPOINT_AS_UPSTREAM)
+
+
+# Checkpoint flags whose effect this entry point always has: the loaded and saved values are the
+# same with or without them (they pick megatron-core dist_checkpointing I/O strategies, or ask for
+# what checkpointing always does here).
+_CHECKPOINT_AS_UPSTREAM = {
+    "use_checkpoint_opt_param_scheduler": "the LR scheduler state is always restored from the checkpoint",
+    "dist_ckpt_optim_fully_reshardable": "the distributed optimizer is always saved fully reshardable",
+    "ckpt_fully_parallel_load": "a load strategy: the loaded values do not depend on it",
+    "ckpt_fully_parallel_save": "a save strategy: the saved values do not depend on it",
+    "ckpt_fully_parallel_save_deprecated": "upstream's deprecated spelling of the above",
+    "ckpt_assume_constant_structure": "a caching strategy: the saved values do not depend on it",
+}
 
 
 @functools.lru_cache(maxsize=None)

@@ -222,7 +222,7 @@ def flops_per_iteration(args) -> float:
     h, s, layers = args.hidden_size, args.seq_length, args.num_layers
     heads = args.num_attention_heads
     kv = args.kv_channels or h // heads
-    groups = args.num_query_groups or heads
+    groups = (args.num_query_groups or heads) if args.group_query_attention else heads  # as Megatron-LM
     gated = 2 if args.swiglu else 1  # a gated MLP has two input projections
     attn = 2 * h * kv * (heads + 2 * groups) + 2 * kv * heads * h + 2 * 2 * s * kv * heads
     dense_mlp = 2 * (gated + 1) * h * args.ffn_hidden_size

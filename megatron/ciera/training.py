@@ -20,6 +20,7 @@ every iteration and the same ``params sha256`` at the end, with or without CIERA
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 import sys
@@ -159,11 +160,6 @@ def _save_snapshot(model, args, iteration):
         torch.save(snap, os.path.join(args.ciera_snapshot_dir, f"iter_{iteration:07d}.pt"))
 
 
-def _checkpoint_module(model):
-    """What the checkpoint module saves: the chunk, or all chunks of a virtual pipeline."""
-    return model[0] if len(model) == 1 else torch.nn.ModuleList(model)
-
-
 def _report_cpu_ignored(args) -> None:
     if args.cpu_ignored:
         _print0(f"CPU run: GPU-only choices not applied (the local/unfused path runs): {', '.join(args.cpu_ignored)}")
@@ -185,7 +181,7 @@ def _install_ciera(args, model, optimizer, opt_config):
 
 def _load_checkpoint(args, model, optimizer, scheduler) -> int:
     """Step 5: the checkpoint (if any); CIERA keeps no checkpoint state, its caches are dropped."""
-    start_iter = checkpointing.load(args, model=_checkpoint_module(model), optimizer=optimizer, scheduler=scheduler)
+    start_iter = checkpointing.load(args, model=model, optimizer=optimizer, scheduler=scheduler)
     if args.load:
         ciera_binding.invalidate_param_caches(model)  # the first gather after a load is raw
     return start_iter
@@ -337,7 +333,7 @@ def _evaluate(run: _Run, *, split: str, index: int, prefix: str) -> None:
 
 def _save(run: _Run) -> None:
     _sync_params(run.model, run.args)
-    checkpointing.save(run.args, iteration=run.iteration, model=_checkpoint_module(run.model), optimizer=run.optimizer,
+    checkpointing.save(run.args, iteration=run.iteration, model=run.model, optimizer=run.optimizer,
                        scheduler=run.scheduler, flops_so_far=run.iteration * run.flops_per_iteration)
     _print0(f"saved checkpoint {run.args.save} at iteration {run.iteration}")
 
@@ -372,6 +368,8 @@ def _train_loop(run: _Run) -> bool:
 
 def train(args) -> str:
     """Run the whole job; returns the final params sha256 (printed by rank 0)."""
+    if args.logging_level is not None:
+        logging.getLogger().setLevel(args.logging_level)
     logging_utils.check_writer_packages(args)
     parallel.initialize(args)
     _report_cpu_ignored(args)
@@ -393,7 +391,7 @@ def train(args) -> str:
         _save(run)
     if completed:  # as Megatron-LM: the valid and the test split once more at the end
         it = run.iteration
-        _evaluate(run, split="valid", index=evaluation.eval_index(it + args.eval_interval, args.eval_interval),
+        _evaluate(run, split="valid", index=evaluation.eval_index(it + (args.eval_interval or 0), args.eval_interval),
                   prefix=f"iteration {it} on validation set")
         _evaluate(run, split="test", index=0, prefix=f"iteration {it} on test set")
     if ciera_config is not None:

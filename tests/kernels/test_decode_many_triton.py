@@ -1,4 +1,4 @@
-"""``decode_many_triton`` of both codecs against ``decode_reference`` row by row (CONTRACT.md §3):
+"""``decode_many_triton`` of both codecs against ``decode_reference`` row by row (see Codec.decode_many):
 several payloads at arbitrary 16-byte-aligned offsets of one flat buffer, a subset of the rows of a
 ``[world, n]`` bucket in any order, partial last blocks, adversarial steps (NaN/Inf, raw blocks).
 On CUDA when there is one, else under the Triton interpreter (small inputs)."""

@@ -24,7 +24,7 @@ def _parse(extra, world=2):
 def test_upstream_defaults_and_every_flag_is_honoured_or_rejected():
     args = _parse(["--mock-data"])
     assert (args.ckpt_format, args.dist_ckpt_strictness, args.eval_iters, args.eval_interval) == (
-        "torch_dist", "assume_ok_unexpected", 100, 1000)
+        "torch_dist", "assume_ok_unexpected", 100, None)  # upstream: no periodic evaluation by default
     assert args.check_for_nan_in_loss_and_grad and args.num_workers == 2 and args.timing_log_level == 0
     assert not _parse(["--mock-data", "--no-check-for-nan-in-loss-and-grad"]).check_for_nan_in_loss_and_grad
     parser = argparse.ArgumentParser()
