@@ -21,10 +21,10 @@ native: setup
 demo: setup
 	$(BIN)/python examples/cpu_demo.py
 
-test: setup
+test: setup testbed-setup
 	$(BIN)/python -m pytest -q
 
-test-all: setup
+test-all: setup testbed-setup
 	$(BIN)/python -m pytest -q --runslow
 
 bench: setup

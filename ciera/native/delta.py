@@ -46,7 +46,7 @@ def decode_native(*, layout: DeltaLayout, payload: torch.Tensor, target_bits: to
 def decode_many_native(*, layout: DeltaLayout, payloads: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor,
                        targets_bits: torch.Tensor) -> None:
     """Decode the payload at ``offsets[i]`` into row ``rows[i]`` of ``targets_bits`` for every i; each
-    payload's length is the capacity in its header (checked, with the codec id and overflow flag)."""
+    payload's length is the needed bytes in its header (checked, with the codec id and overflow flag)."""
     _lib.decode_many(name=NAME, codec_id=DeltaCodec.codec_id, clayout=_c_layout(layout),
                      bits_dtype=layout.fmt.bits_dtype, numel=layout.numel, payloads=payloads, rows=rows,
                      offsets=offsets, targets_bits=targets_bits)

@@ -47,7 +47,7 @@ def decode_native(*, layout: ExponentReuseLayout, payload: torch.Tensor, target_
 def decode_many_native(*, layout: ExponentReuseLayout, payloads: torch.Tensor, rows: torch.Tensor,
                        offsets: torch.Tensor, targets_bits: torch.Tensor) -> None:
     """Decode the payload at ``offsets[i]`` into row ``rows[i]`` of ``targets_bits`` for every i; each
-    payload's length is the capacity in its header (checked, with the codec id and overflow flag)."""
+    payload's length is the needed bytes in its header (checked, with the codec id and overflow flag)."""
     _lib.decode_many(name=NAME, codec_id=ExponentReuseCodec.codec_id, clayout=_c_layout(layout),
                      bits_dtype=layout.fmt.bits_dtype, numel=layout.numel, payloads=payloads, rows=rows,
                      offsets=offsets, targets_bits=targets_bits)

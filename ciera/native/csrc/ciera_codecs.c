@@ -789,12 +789,14 @@ int ciera_decode_many(int codec, const void *layout, const uint8_t *payloads, in
         if (row < 0 || row >= world || off < 0 || off % 16 || off + 32 > payloads_len) return CIERA_E_ARGS;
         int64_t h[4];
         memcpy(h, payloads + off, sizeof h);
-        if (h[0] != ((CIERA_MAGIC << 8) | codec) || (h[1] & CIERA_FLAG_OVERFLOW) || h[3] < fixed ||
-            h[2] > h[3] || h[3] > payloads_len - off)
+        /* h = [magic|codec, flags, needed, capacity]: a payload is its first `needed` bytes (the
+         * gather sends exactly those; the capacity is the sender's encode buffer). */
+        if (h[0] != ((CIERA_MAGIC << 8) | codec) || (h[1] & CIERA_FLAG_OVERFLOW) || h[2] < fixed ||
+            h[2] > h[3] || h[2] > payloads_len - off)
             return CIERA_E_HEADER;
         uint8_t *t = (uint8_t *)targets + row * row_bytes;
-        int r = codec == 1 ? ciera_er_decode((const ciera_er_layout *)layout, payloads + off, h[3], t, threads)
-                           : ciera_delta_decode((const ciera_delta_layout *)layout, payloads + off, h[3], t, threads);
+        int r = codec == 1 ? ciera_er_decode((const ciera_er_layout *)layout, payloads + off, h[2], t, threads)
+                           : ciera_delta_decode((const ciera_delta_layout *)layout, payloads + off, h[2], t, threads);
         if (r != CIERA_OK) return r;
     }
     return CIERA_OK;
