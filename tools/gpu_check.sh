@@ -154,7 +154,7 @@ megatron_gpu_paths() {
         --normalization RMSNorm --position-embedding-type rope --swiglu --disable-bias-linear
         --untie-embeddings-and-output-weights --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 512
         --moe-token-dispatcher-type alltoall --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
-        --bf16 --lr 1e-4 --micro-batch-size 2 --global-batch-size $((8 * ngpu)) --train-iters 20 --mock-data
+        --bf16 --lr 1e-4 --micro-batch-size 2 --global-batch-size $((8 * ngpu)) --train-iters 20 --mock-data --eval-iters 0
         --tokenizer-type NullTokenizer --vocab-size 32000 --deterministic-mode --log-interval 10 "${layout[@]}")
     echo "megatron GPU paths: $ngpu GPU(s), transformer-engine: $te, layout: ${layout[*]:-none}" | tee "$OUT/megatron_paths.log"
     for mode in base ciera; do

@@ -15,7 +15,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", 
         "--untie-embeddings-and-output-weights", "--num-experts", "4", "--moe-router-topk", "2",
         "--moe-ffn-hidden-size", "64", "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2",
         "--moe-token-dispatcher-type", "alltoall", "--use-distributed-optimizer", "--bf16", "--lr", "1e-3",
-        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255", "--micro-batch-size", "2",
+        "--mock-data", "--eval-iters", "0", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255", "--micro-batch-size", "2",
         "--global-batch-size", "8", "--seed", "1234", "--device", "cpu", "--log-interval", "2",
         "--expert-model-parallel-size", "2", "--ciera-allgather", "--ciera-selection", "always",
         "--ciera-codec", "exponent_reuse", "--ciera-warmup-iters", "1"]

@@ -23,7 +23,7 @@ TINY = ["--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "128", 
         "--untie-embeddings-and-output-weights", "--num-experts", "4", "--moe-router-topk", "2",
         "--moe-ffn-hidden-size", "64", "--moe-aux-loss-coeff", "1e-2", "--moe-token-dispatcher-type", "alltoall",
         "--use-distributed-optimizer", "--bf16", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
-        "--lr-warmup-iters", "1", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255",
+        "--lr-warmup-iters", "1", "--mock-data", "--eval-iters", "0", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--seed", "1234", "--device", "cpu",
         "--log-interval", "1"]
 CIERA = ["--ciera-allgather", "--ciera-selection", "always", "--ciera-codec", "exponent_reuse",

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
-        "--use-distributed-optimizer", "--bf16", "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--use-distributed-optimizer", "--bf16", "--lr", "1e-3", "--mock-data", "--eval-iters", "0", "--tokenizer-type", "NullTokenizer",
         "--vocab-size", "127", "--micro-batch-size", "1", "--device", "cpu", "--train-iters", "2"]
 
 
