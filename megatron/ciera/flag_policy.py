@@ -38,11 +38,11 @@ class Policy:
     kind: str
     """``honoured``, ``gpu``, ``feature:<name>`` or ``rejected``."""
     reason: str = ""
-    """Why (rejected) or what runs instead on CPU (gpu)."""
+    """Why (rejected), what runs instead on CPU (gpu), or why a feature flag needs no code of its own."""
 
 
-def _feature(name):
-    return Policy(f"feature:{name}")
+def _feature(name, reason=""):
+    return Policy(f"feature:{name}", reason)
 
 
 _H = Policy(HONOURED)
@@ -149,7 +149,7 @@ _CHECKPOINT_AS_UPSTREAM = {
     "dist_ckpt_optim_fully_reshardable": "the distributed optimizer is always saved fully reshardable",
     "ckpt_fully_parallel_load": "a load strategy: the loaded values do not depend on it",
     "ckpt_fully_parallel_save": "a save strategy: the saved values do not depend on it",
-    "ckpt_fully_parallel_save_deprecated": "upstream's deprecated spelling of the above",
+    "ckpt_fully_parallel_save_deprecated": "upstream's deprecated flag for the default save strategy",
     "ckpt_assume_constant_structure": "a caching strategy: the saved values do not depend on it",
 }
 
@@ -166,7 +166,7 @@ def policy(dest: str) -> Policy:
     for name, pattern in _FEATURE_PATTERNS:
         if re.fullmatch(pattern, dest):
             if dest in _feature_honoured():
-                return _feature(name)
+                return _feature(name, _CHECKPOINT_AS_UPSTREAM.get(dest, ""))
             return Policy(REJECTED, f"not implemented by the {name} feature of this pretrain_gpt.py")
     if dest in _HONOURED or dest in _config_fields():
         return _H
