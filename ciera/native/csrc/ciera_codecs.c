@@ -31,7 +31,7 @@
 /* Hot loops get an AVX2 clone next to the baseline one, picked at load time (GNU ifunc), so one
  * build runs everywhere and vectorises where the CPU can. */
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__) && !defined(CIERA_NO_CLONES)
-#define HOT __attribute__((target_clones("avx2", "default")))
+#define HOT __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define HOT
 #endif
@@ -359,6 +359,102 @@ ALWAYS_INLINE int bitlen_w(uint32_t z, int W) {
     return t < 0 ? 0 : t;
 }
 
+
+/* Width lookups: ww[j] = table[idx[j]] (one width per previous exponent). This byte gather is
+ * the hot spot of both directions; on AVX2 it is 16-entry shuffles (pshufb) over the rows of the
+ * table that hold a nonzero width (a value whose row is all zeros gets 0 either way), usually 2-3
+ * of the 16 for real weights, so its cost follows the spread of exponents, never the result. */
+typedef struct {
+    const uint8_t *table; /* 2^E widths */
+    uint32_t rows;        /* bit h: table[16h .. 16h+15] holds a nonzero width */
+    int avx2;             /* AVX2 + BMI2 paths (checked on this CPU once per call) */
+} delta_wctx;
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(CIERA_NO_CLONES)
+#define CIERA_X86 1
+#include <immintrin.h>
+#define AVX2_FN __attribute__((target("avx2,bmi,bmi2")))
+static int cpu_avx2(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi2");
+}
+#else
+#define CIERA_X86 0
+static int cpu_avx2(void) { return 0; }
+#endif
+
+static delta_wctx delta_wctx_of(const uint8_t *table, int E) {
+    delta_wctx c = {table, 0, cpu_avx2()};
+    for (int i = 0; i < (1 << E); i++)
+        if (table[i]) c.rows |= 1u << (i >> 4);
+    return c;
+}
+
+#if CIERA_X86
+/* n values; idx and ww may be read / written up to 31 bytes past n. */
+AVX2_FN static void widths_avx2(const delta_wctx *c, const uint8_t *idx, uint8_t *ww, int n) {
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    for (int i = 0; i < n; i += 32) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(idx + i));
+        __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        __m256i r = _mm256_setzero_si256();
+        for (uint32_t rows = c->rows; rows; rows &= rows - 1) {
+            int h = __builtin_ctz(rows);
+            __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(c->table + 16 * h)));
+            __m256i sel = _mm256_cmpeq_epi8(hi, _mm256_set1_epi8((char)h));
+            r = _mm256_or_si256(r, _mm256_and_si256(_mm256_shuffle_epi8(t, lo), sel));
+        }
+        _mm256_storeu_si256((__m256i *)(ww + i), r);
+    }
+}
+
+/* Indices j < n with ll[j] > ww[j], ascending, into exc; returns their count. */
+AVX2_FN static int exceptions_avx2(const uint8_t *ll, const uint8_t *ww, int n, uint16_t *exc) {
+    int k = 0;
+    for (int i = 0; i < n; i += 32) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(ll + i)), w = _mm256_loadu_si256((const __m256i *)(ww + i));
+        uint32_t m = (uint32_t)_mm256_movemask_epi8(_mm256_cmpgt_epi8(a, w));
+        if (n - i < 32) m &= (1u << (n - i)) - 1;
+        for (; m; m &= m - 1) exc[k++] = (uint16_t)(i + __builtin_ctz(m));
+    }
+    return k;
+}
+#endif
+
+ALWAYS_INLINE void delta_widths(const delta_wctx *c, const uint8_t *idx, uint8_t *ww, int n) {
+#if CIERA_X86
+    if (c->avx2) {
+        widths_avx2(c, idx, ww, n);
+        return;
+    }
+#endif
+    for (int j = 0; j < n; j++) ww[j] = c->table[idx[j]];
+}
+
+ALWAYS_INLINE int delta_exceptions(const delta_wctx *c, const uint8_t *ll, const uint8_t *ww, int n, uint16_t *exc) {
+#if CIERA_X86
+    if (c->avx2) return exceptions_avx2(ll, ww, n, exc);
+#endif
+    int k = 0;
+    for (int j = 0; j < n; j++) {
+        exc[k] = (uint16_t)j;
+        k += ll[j] > ww[j];
+    }
+    return k;
+}
+
+/* Bytes of the groups of G values over ww[0, n): each group is byte aligned. */
+ALWAYS_INLINE int64_t delta_group_bytes(const uint8_t *ww, int n, int G) {
+    int64_t bytes = 0;
+    for (int g0 = 0; g0 < n; g0 += G) {
+        int g1 = g0 + G < n ? g0 + G : n;
+        uint32_t gbits = 0;
+        for (int j = g0; j < g1; j++) gbits += ww[j];
+        bytes += (gbits + 7) / 8;
+    }
+    return bytes;
+}
+
 ALWAYS_INLINE void delta_hist_range(int W, int M, int E, const void *shard, const void *state, int64_t lo, int64_t hi,
                                     uint32_t *hist) {
     const uint32_t emask = (1u << E) - 1;
@@ -384,43 +480,66 @@ ALWAYS_INLINE void delta_hist_range(int W, int M, int E, const void *shard, cons
     }
 }
 
-/* Bit-packs values [j0, j1) of zz at widths ww (LSB first) from dst; returns one past the last
- * byte. Writes up to 8 bytes past it (zeros): dst needs that slack. The 64-bit accumulator is
- * flushed every F values (F * W + 7 <= 64), so the loop carries two short dependency chains. */
-ALWAYS_INLINE uint8_t *pack_group(int W, const uint32_t *zz, const uint8_t *ww, int j0, int j1, uint8_t *dst) {
-    enum { F16 = 3 };
-    const int F = W == 16 ? F16 : 1;
-    uint64_t acc = 0;
-    unsigned nbits = 0;
-    int j = j0;
-    for (; j + F <= j1; j += F) {
-        for (int f = 0; f < F; f++) {
-            unsigned w = ww[j + f];
-            acc |= ((uint64_t)zz[j + f] & (((uint64_t)1 << w) - 1)) << nbits;
-            nbits += w;
+/* Bit packing, word at a time. Values are first merged in registers' worth: for W = 16 pairs
+ * (<= 32 bits) then quads (<= 64 bits), for W = 32 pairs (<= 64 bits), in independent (vectorisable)
+ * loops; the serial part then appends one <= 64-bit chunk per step to a 64-bit accumulator that
+ * holds fewer than 8 bits between steps. The stream is the same LSB-first concatenation of the
+ * values' low w bits. */
+
+/* Chunks of group [0, n) of zm (values already masked to their widths) and ww; n <= 64, and zm,
+ * ww are zero from n up to the next multiple of 4. Returns the number of chunks. */
+ALWAYS_INLINE int pack_chunks(int W, const uint32_t *zm, const uint8_t *ww, int n, uint64_t *q, uint8_t *qw) {
+    if (W == 16) {
+        uint32_t p[32];
+        uint8_t pw[32];
+        int np = (n + 1) / 2 + ((n + 1) / 2 & 1), nq = np / 2;
+        for (int i = 0; i < np; i++) {
+            p[i] = zm[2 * i] | (zm[2 * i + 1] << ww[2 * i]);
+            pw[i] = (uint8_t)(ww[2 * i] + ww[2 * i + 1]);
         }
-        memcpy(dst, &acc, 8);
-        dst += nbits >> 3;
-        acc >>= nbits & ~7u;
-        nbits &= 7u;
+        for (int i = 0; i < nq; i++) {
+            q[i] = (uint64_t)p[2 * i] | ((uint64_t)p[2 * i + 1] << pw[2 * i]);
+            qw[i] = (uint8_t)(pw[2 * i] + pw[2 * i + 1]);
+        }
+        return nq;
     }
-    for (; j < j1; j++) {
-        unsigned w = ww[j];
-        acc |= ((uint64_t)zz[j] & (((uint64_t)1 << w) - 1)) << nbits;
-        nbits += w;
-        memcpy(dst, &acc, 8);
-        dst += nbits >> 3;
-        acc >>= nbits & ~7u;
-        nbits &= 7u;
+    int nq = (n + 1) / 2;
+    for (int i = 0; i < nq; i++) {
+        q[i] = (uint64_t)zm[2 * i] | ((uint64_t)zm[2 * i + 1] << ww[2 * i]);
+        qw[i] = (uint8_t)(ww[2 * i] + ww[2 * i + 1]);
     }
-    if (nbits) memcpy(dst, &acc, 8), dst++;
+    return nq;
+}
+
+/* Appends the chunks to dst; returns one past the group's last byte. Writes up to 8 bytes past
+ * it: dst needs that slack. */
+ALWAYS_INLINE uint8_t *pack_stream(const uint64_t *q, const uint8_t *qw, int nq, uint8_t *dst) {
+    uint64_t acc = 0;
+    unsigned nb = 0; /* bits in acc, < 8 */
+    for (int i = 0; i < nq; i++) {
+        uint64_t lo = acc | (q[i] << nb);
+        memcpy(dst, &lo, 8);
+        unsigned t = nb + qw[i], adv = t >> 3; /* t <= 71, adv <= 8 */
+        uint64_t spill = (q[i] >> 1) >> (63 - nb); /* the bits of q shifted out of lo */
+        acc = adv == 8 ? spill : lo >> (adv * 8);
+        dst += adv;
+        nb = t & 7;
+    }
+    if (nb) memcpy(dst, &acc, 8), dst++;
     return dst;
+}
+
+ALWAYS_INLINE uint8_t *pack_group(int W, const uint32_t *zm, const uint8_t *ww, int n, uint8_t *dst) {
+    uint64_t q[32];
+    uint8_t qw[32];
+    int nq = pack_chunks(W, zm, ww, n, q, qw);
+    return pack_stream(q, qw, nq, dst);
 }
 
 /* Encodes block b: writes its count field and the new state, and packs it at `dst` when its size
  * is at most `room` bytes (the bytes dst may hold; packing past them never happens). Returns the
  * block's size in bytes. */
-ALWAYS_INLINE int64_t delta_encode_block(const ciera_delta_layout *l, int W, int M, int E, const uint8_t *table,
+ALWAYS_INLINE int64_t delta_encode_block(const ciera_delta_layout *l, int W, int M, int E, const delta_wctx *wc,
                                          const void *shard, void *state, uint8_t *counts, int64_t b, uint8_t *dst,
                                          int64_t room) {
     const int64_t B = l->block_size, G = l->group_size, n = l->numel;
@@ -429,7 +548,7 @@ ALWAYS_INLINE int64_t delta_encode_block(const ciera_delta_layout *l, int W, int
     const int64_t v0 = b * B;
     const int valid = (int)min64(B, n - v0);
     uint32_t zz[DELTA_MAX_BLOCK];
-    uint8_t ww[DELTA_MAX_BLOCK], ee[DELTA_MAX_BLOCK], ll[DELTA_MAX_BLOCK];
+    uint8_t ww[DELTA_MAX_BLOCK + 32], ee[DELTA_MAX_BLOCK + 32], ll[DELTA_MAX_BLOCK + 32];
     uint16_t exc[DELTA_MAX_BLOCK];
     /* Vectorisable: z, previous exponent and bit length of every value; then the new state. */
     for (int j = 0; j < valid; j++) {
@@ -440,21 +559,11 @@ ALWAYS_INLINE int64_t delta_encode_block(const ciera_delta_layout *l, int W, int
         ll[j] = (uint8_t)bitlen_w(z, W);
     }
     memcpy((uint8_t *)state + v0 * (W / 8), (const uint8_t *)shard + v0 * (W / 8), (size_t)valid * (W / 8));
-    /* Scalar: widths from the table, exceptions, group sizes. */
-    int n_exc = 0;
-    int64_t bytes = 0;
-    for (int g0 = 0; g0 < valid; g0 += (int)G) {
-        int g1 = (int)min64(g0 + G, valid);
-        uint32_t gbits = 0;
-        for (int j = g0; j < g1; j++) {
-            uint8_t w = table[ee[j]];
-            ww[j] = w;
-            exc[n_exc] = (uint16_t)j;
-            n_exc += ll[j] > w;
-            gbits += w;
-        }
-        bytes += (gbits + 7) / 8;
-    }
+    /* Widths from the table, exceptions, group sizes. */
+    delta_widths(wc, ee, ww, valid);
+    memset(ww + valid, 0, 4);
+    int n_exc = delta_exceptions(wc, ll, ww, valid, exc);
+    int64_t bytes = delta_group_bytes(ww, valid, (int)G);
     int64_t table_size = bytes + (int64_t)n_exc * (I + S), raw_size = (int64_t)valid * S;
     int raw = table_size > raw_size;
     int64_t size = raw ? raw_size : table_size;
@@ -468,8 +577,14 @@ ALWAYS_INLINE int64_t delta_encode_block(const ciera_delta_layout *l, int W, int
     if (raw) {
         for (int j = 0; j < valid; j++) store_le(base + (int64_t)j * S, zz[j], S);
     } else {
+        uint32_t zm[DELTA_MAX_BLOCK + 4];
+        for (int j = 0; j < valid; j++) { /* vectorisable */
+            uint32_t w = ww[j];
+            zm[j] = zz[j] & (w >= 32 ? 0xFFFFFFFFu : (1u << (w & 31)) - 1);
+        }
+        memset(zm + valid, 0, 4 * sizeof(uint32_t));
         uint8_t *p = base;
-        for (int g0 = 0; g0 < valid; g0 += (int)G) p = pack_group(W, zz, ww, g0, (int)min64(g0 + G, valid), p);
+        for (int g0 = 0; g0 < valid; g0 += (int)G) p = pack_group(W, zm + g0, ww + g0, (int)min64(G, valid - g0), p);
         uint8_t *hi_p = p + (int64_t)n_exc * I;
         for (int r = 0; r < n_exc; r++) {
             int j = exc[r];
@@ -513,18 +628,18 @@ HOT static void delta_hist_dispatch(const ciera_delta_layout *l, const void *sha
 /* Encodes blocks [b_lo, b_hi) back to back from dst, which holds `room` bytes (packing stops at
  * the first block that does not fit; sizes go on). ends[b - b_lo]: end of block b from dst (when
  * ends is not NULL). Returns the bytes of the whole range. */
-HOT static int64_t delta_encode_blocks(const ciera_delta_layout *l, const uint8_t *table, const void *shard, void *state,
+HOT static int64_t delta_encode_blocks(const ciera_delta_layout *l, const delta_wctx *wc, const void *shard, void *state,
                                    uint8_t *counts, int64_t b_lo, int64_t b_hi, uint8_t *dst, int64_t room,
                                    int64_t *ends) {
     int64_t pos = 0;
     for (int64_t b = b_lo; b < b_hi; b++) {
         int64_t r = room - pos < 0 ? 0 : room - pos;
         if (l->total_bits == 16 && l->mant_bits == 7)
-            pos += delta_encode_block(l, 16, 7, 8, table, shard, state, counts, b, dst + pos, r);
+            pos += delta_encode_block(l, 16, 7, 8, wc, shard, state, counts, b, dst + pos, r);
         else if (l->total_bits == 16)
-            pos += delta_encode_block(l, 16, 10, 5, table, shard, state, counts, b, dst + pos, r);
+            pos += delta_encode_block(l, 16, 10, 5, wc, shard, state, counts, b, dst + pos, r);
         else
-            pos += delta_encode_block(l, 32, 23, 8, table, shard, state, counts, b, dst + pos, r);
+            pos += delta_encode_block(l, 32, 23, 8, wc, shard, state, counts, b, dst + pos, r);
         if (ends) ends[b - b_lo] = pos;
     }
     return pos;
@@ -560,6 +675,7 @@ int64_t ciera_delta_encode(const ciera_delta_layout *l, const void *shard, void 
         return CIERA_E_NOMEM;
     }
     uint8_t table[256];
+    delta_wctx wc;
     int64_t totals[CIERA_MAX_THREADS + 1];
     int nomem = 0;
     uint8_t *table_out = out + l->off_table, *counts = out + l->off_counts;
@@ -577,12 +693,13 @@ int64_t ciera_delta_encode(const ciera_delta_layout *l, const void *shard, void 
                 for (int64_t i = 0; i < n_hist; i++) hist[i] += hists[(int64_t)t * n_hist + i];
             delta_choose_table(l, hist, table);
             for (int64_t c = 0; c < ((int64_t)1 << l->exp_bits); c++) table_out[c] = table[c];
+            wc = delta_wctx_of(table, (int)l->exp_bits);
         } /* implicit barrier: the table is ready, every state value has been read */
         int64_t nblk = b_hi - b_lo;
         uint8_t *scratch = NULL, *dst = NULL;
         int64_t *ends = NULL;
         if (k == 0) { /* the first chunk starts at off_data: straight into out */
-            totals[1] = delta_encode_blocks(l, table, shard, state, counts, b_lo, b_hi, out + l->off_data,
+            totals[1] = delta_encode_blocks(l, &wc, shard, state, counts, b_lo, b_hi, out + l->off_data,
                                             capacity - l->off_data, NULL);
         } else { /* the others into scratch, copied once every earlier chunk's size is known */
             scratch = thread_scratch((size_t)(nblk * 8 + (hi - lo) * S + 64));
@@ -593,7 +710,7 @@ int64_t ciera_delta_encode(const ciera_delta_layout *l, const void *shard, void 
                 nomem = 1;
                 totals[k + 1] = 0;
             } else {
-                totals[k + 1] = delta_encode_blocks(l, table, shard, state, counts, b_lo, b_hi, dst,
+                totals[k + 1] = delta_encode_blocks(l, &wc, shard, state, counts, b_lo, b_hi, dst,
                                                     (hi - lo) * S + 64, ends);
             }
         }
@@ -612,29 +729,21 @@ int64_t ciera_delta_encode(const ciera_delta_layout *l, const void *shard, void 
     return nomem ? CIERA_E_NOMEM : needed;
 }
 
-/* Widths of block b's values from the previous values; returns the table-mode size of its groups. */
-ALWAYS_INLINE int64_t delta_block_widths(const ciera_delta_layout *l, int W, int M, int E, const uint8_t *table,
+/* Widths of block b's values from the previous values into ww (DELTA_MAX_BLOCK + 32 bytes);
+ * returns the table-mode size of its groups. */
+ALWAYS_INLINE int64_t delta_block_widths(const ciera_delta_layout *l, int W, int M, int E, const delta_wctx *wc,
                                          const void *target, int64_t b, uint8_t *ww) {
-    const int64_t B = l->block_size, G = l->group_size;
     const uint32_t emask = (1u << E) - 1;
-    const int64_t v0 = b * B;
-    const int valid = (int)min64(B, l->numel - v0);
-    int64_t bytes = 0;
-    for (int g0 = 0; g0 < valid; g0 += (int)G) {
-        int g1 = (int)min64(g0 + G, valid);
-        uint32_t gbits = 0;
-        for (int j = g0; j < g1; j++) {
-            uint8_t w = table[(load_u(target, v0 + j, W) >> M) & emask];
-            if (ww) ww[j] = w;
-            gbits += w;
-        }
-        bytes += (gbits + 7) / 8;
-    }
-    return bytes;
+    const int64_t v0 = b * l->block_size;
+    const int valid = (int)min64(l->block_size, l->numel - v0);
+    uint8_t ee[DELTA_MAX_BLOCK + 32];
+    for (int j = 0; j < valid; j++) ee[j] = (uint8_t)((load_u(target, v0 + j, W) >> M) & emask); /* vectorisable */
+    delta_widths(wc, ee, ww, valid);
+    return delta_group_bytes(ww, valid, (int)l->group_size);
 }
 
 /* Size of block b in bytes, or a negative error code. */
-ALWAYS_INLINE int64_t delta_block_size(const ciera_delta_layout *l, int W, int M, int E, const uint8_t *table,
+ALWAYS_INLINE int64_t delta_block_size(const ciera_delta_layout *l, int W, int M, int E, const delta_wctx *wc,
                                        const uint8_t *counts, const void *target, int64_t b, uint8_t *ww) {
     const int C = (int)l->count_bytes, S = (int)l->high_bytes, I = (int)l->index_bytes;
     const int64_t valid = min64(l->block_size, l->numel - b * l->block_size);
@@ -642,18 +751,60 @@ ALWAYS_INLINE int64_t delta_block_size(const ciera_delta_layout *l, int W, int M
     uint64_t mark = C == 1 ? 0xFF : 0xFFFF;
     if (c == mark) return valid * S;
     if ((int64_t)c > valid) return CIERA_E_BAD_COUNT;
-    return delta_block_widths(l, W, M, E, table, target, b, ww) + (int64_t)c * (I + S);
+    return delta_block_widths(l, W, M, E, wc, target, b, ww) + (int64_t)c * (I + S);
 }
 
-ALWAYS_INLINE int delta_decode_chunk(const ciera_delta_layout *l, int W, int M, int E, const uint8_t *table,
+/* Inverse of pack_group: the n values of the group at p (widths ww, zero from n up to the next
+ * multiple of 4) into zz; returns the group's bits. Chunks (quads or pairs, <= 64 bits) are read
+ * serially, then split in independent loops. Reads up to 16 bytes past the group. */
+ALWAYS_INLINE uint64_t unpack_group(int W, const uint8_t *p, const uint8_t *ww, int n, uint32_t *zz) {
+    uint8_t pw[32], qw[32];
+    uint64_t q[32];
+    int np = W == 16 ? (n + 1) / 2 + ((n + 1) / 2 & 1) : (n + 1) / 2, nq = W == 16 ? np / 2 : np;
+    for (int i = 0; i < np; i++) pw[i] = (uint8_t)(ww[2 * i] + ww[2 * i + 1]);
+    if (W == 16)
+        for (int i = 0; i < nq; i++) qw[i] = (uint8_t)(pw[2 * i] + pw[2 * i + 1]);
+    else
+        memcpy(qw, pw, (size_t)nq);
+    uint64_t bp = 0;
+    for (int i = 0; i < nq; i++) {
+        const uint8_t *at = p + (bp >> 3);
+        unsigned sh = bp & 7, w = qw[i];
+        uint64_t x = (load64(at) >> sh) | (((uint64_t)at[8] << 1) << (63 - sh));
+        q[i] = w >= 64 ? x : x & (((uint64_t)1 << w) - 1);
+        bp += w;
+    }
+    if (W == 16) {
+        uint32_t pv[32];
+        for (int i = 0; i < nq; i++) { /* quad -> pairs */
+            unsigned w = pw[2 * i];
+            pv[2 * i] = (uint32_t)(q[i] & (((uint64_t)1 << w) - 1));
+            pv[2 * i + 1] = (uint32_t)(q[i] >> w);
+        }
+        for (int i = 0; i < np; i++) { /* pair -> values (each pair holds exactly its widths' bits) */
+            unsigned w = ww[2 * i];
+            zz[2 * i] = pv[i] & ((1u << w) - 1);
+            zz[2 * i + 1] = (uint32_t)((uint64_t)pv[i] >> w);
+        }
+    } else {
+        for (int i = 0; i < nq; i++) {
+            unsigned w = ww[2 * i];
+            zz[2 * i] = (uint32_t)(q[i] & (((uint64_t)1 << w) - 1));
+            zz[2 * i + 1] = (uint32_t)(q[i] >> w);
+        }
+    }
+    return bp;
+}
+
+ALWAYS_INLINE int delta_decode_chunk(const ciera_delta_layout *l, int W, int M, int E, const delta_wctx *wc,
                                      const uint8_t *payload, int64_t length, void *target, int64_t b_lo, int64_t b_hi,
                                      int64_t pos) {
     const int64_t B = l->block_size, G = l->group_size, n = l->numel;
     const int C = (int)l->count_bytes, S = (int)l->high_bytes, I = (int)l->index_bytes;
     const uint8_t *counts = payload + l->off_counts;
     const uint64_t mark = C == 1 ? 0xFF : 0xFFFF;
-    uint8_t ww[DELTA_MAX_BLOCK];
-    uint32_t zz[DELTA_MAX_BLOCK];
+    uint8_t ww[DELTA_MAX_BLOCK + 32];
+    uint32_t zz[DELTA_MAX_BLOCK + 4];
     for (int64_t b = b_lo; b < b_hi; b++) {
         const int64_t v0 = b * B;
         const int valid = (int)min64(B, n - v0);
@@ -668,19 +819,16 @@ ALWAYS_INLINE int delta_decode_chunk(const ciera_delta_layout *l, int W, int M, 
             continue;
         }
         if ((int64_t)c > valid) return CIERA_E_BAD_COUNT;
-        int64_t gbytes = delta_block_widths(l, W, M, E, table, target, b, ww);
+        int64_t gbytes = delta_block_widths(l, W, M, E, wc, target, b, ww);
+        memset(ww + valid, 0, 4); /* unpack_group reads whole quads */
         int64_t end = pos + gbytes + (int64_t)c * (I + S);
         if (end > length) return CIERA_E_TRUNCATED;
         const uint8_t *p = payload + pos;
         for (int g0 = 0; g0 < valid; g0 += (int)G) {
             int g1 = (int)min64(g0 + G, valid);
             uint64_t bp = 0;
-            if (p + 8 + (G * W + 7) / 8 <= payload + length) {
-                for (int j = g0; j < g1; j++) {
-                    unsigned w = ww[j];
-                    zz[j] = (uint32_t)((load64(p + (bp >> 3)) >> (bp & 7)) & (((uint64_t)1 << w) - 1));
-                    bp += w;
-                }
+            if (p + 16 + (G * W + 7) / 8 <= payload + length) {
+                bp = unpack_group(W, p, ww + g0, g1 - g0, zz + g0);
             } else { /* near the end of the payload: bytewise, never past it */
                 for (int j = g0; j < g1; j++) {
                     unsigned w = ww[j];
@@ -707,22 +855,23 @@ ALWAYS_INLINE int delta_decode_chunk(const ciera_delta_layout *l, int W, int M, 
     return CIERA_OK;
 }
 
-HOT static int delta_decode_chunk_dispatch(const ciera_delta_layout *l, const uint8_t *table, const uint8_t *payload,
+HOT static int delta_decode_chunk_dispatch(const ciera_delta_layout *l, const delta_wctx *wc, const uint8_t *payload,
                                        int64_t length, void *target, int64_t b_lo, int64_t b_hi, int64_t pos) {
     if (l->total_bits == 16 && l->mant_bits == 7)
-        return delta_decode_chunk(l, 16, 7, 8, table, payload, length, target, b_lo, b_hi, pos);
-    if (l->total_bits == 16) return delta_decode_chunk(l, 16, 10, 5, table, payload, length, target, b_lo, b_hi, pos);
-    return delta_decode_chunk(l, 32, 23, 8, table, payload, length, target, b_lo, b_hi, pos);
+        return delta_decode_chunk(l, 16, 7, 8, wc, payload, length, target, b_lo, b_hi, pos);
+    if (l->total_bits == 16) return delta_decode_chunk(l, 16, 10, 5, wc, payload, length, target, b_lo, b_hi, pos);
+    return delta_decode_chunk(l, 32, 23, 8, wc, payload, length, target, b_lo, b_hi, pos);
 }
 
-HOT static int64_t delta_size_range(const ciera_delta_layout *l, const uint8_t *table, const uint8_t *counts,
+HOT static int64_t delta_size_range(const ciera_delta_layout *l, const delta_wctx *wc, const uint8_t *counts,
                                 const void *target, int64_t b_lo, int64_t b_hi) {
     int64_t total = 0;
+    uint8_t ww[DELTA_MAX_BLOCK + 32];
     for (int64_t b = b_lo; b < b_hi; b++) {
         int64_t s;
-        if (l->total_bits == 16 && l->mant_bits == 7) s = delta_block_size(l, 16, 7, 8, table, counts, target, b, NULL);
-        else if (l->total_bits == 16) s = delta_block_size(l, 16, 10, 5, table, counts, target, b, NULL);
-        else s = delta_block_size(l, 32, 23, 8, table, counts, target, b, NULL);
+        if (l->total_bits == 16 && l->mant_bits == 7) s = delta_block_size(l, 16, 7, 8, wc, counts, target, b, ww);
+        else if (l->total_bits == 16) s = delta_block_size(l, 16, 10, 5, wc, counts, target, b, ww);
+        else s = delta_block_size(l, 32, 23, 8, wc, counts, target, b, ww);
         if (s < 0) return s;
         total += s;
     }
@@ -743,6 +892,7 @@ int ciera_delta_decode(const ciera_delta_layout *l, const uint8_t *payload, int6
     const uint8_t *table = payload + l->off_table;
     for (int64_t c = 0; c < ((int64_t)1 << l->exp_bits); c++)
         if (table[c] > W) return CIERA_E_BAD_TABLE;
+    const delta_wctx wc = delta_wctx_of(table, (int)l->exp_bits);
     threads = clamp_threads(threads);
     if (threads > nb) threads = (int)nb;
     /* Chunk boundaries in blocks: the last chunk is weighted up (it skips the sizing pass). */
@@ -755,7 +905,7 @@ int ciera_delta_decode(const ciera_delta_layout *l, const uint8_t *payload, int6
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int k = CIERA_THREAD_ID();
-        if (k + 1 < threads) sizes[k] = delta_size_range(l, table, payload + l->off_counts, target, bnd[k], bnd[k + 1]);
+        if (k + 1 < threads) sizes[k] = delta_size_range(l, &wc, payload + l->off_counts, target, bnd[k], bnd[k + 1]);
 #pragma omp barrier
         int64_t pos = l->off_data;
         int bad = CIERA_OK;
@@ -763,7 +913,7 @@ int ciera_delta_decode(const ciera_delta_layout *l, const uint8_t *payload, int6
             if (sizes[j] < 0) bad = (int)sizes[j];
             else if (j < k) pos += sizes[j];
         }
-        rc[k] = bad != CIERA_OK ? bad : delta_decode_chunk_dispatch(l, table, payload, length, target, bnd[k], bnd[k + 1], pos);
+        rc[k] = bad != CIERA_OK ? bad : delta_decode_chunk_dispatch(l, &wc, payload, length, target, bnd[k], bnd[k + 1], pos);
     }
     for (int k = 0; k < threads; k++)
         if (rc[k] != CIERA_OK) return rc[k];
