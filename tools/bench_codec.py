@@ -12,6 +12,12 @@ native C twin at 1 and 2 threads, next to the lossless compressors a user would 
 ZipNN and zstd-3 on the raw values and on the XOR with the previous values (optional rows: ``pip
 install -e '.[peers]'``; skipped with a note where absent). Each time is the best of ``--repeats``
 runs (the machine may be shared), the median over the measured steps; clone() runs at one thread.
+Every measurement is taken on both clocks at once: wall time, and the process's CPU time over all
+its threads (what the work costs; the fair one-thread figure on a shared machine), one row each,
+with the 1-minute load average beside it. The run ends with one verdict line per target of issue
+16 (met / MISSED, with the figures): encode and decode vs clone() at one thread, the 2-thread
+speed-up (wall), and each codec vs the peers -- on the setting it is judged by (exponent_reuse on
+the raw values, delta on the XOR with the previous values) and vs every peer row.
 
     python tools/bench_codec.py                       # 4M bf16 values, lr 1e-4 and 3e-4
     python tools/bench_codec.py --sweep-block         # exponent_reuse ratio vs block size
@@ -45,12 +51,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _timed(fn, device, clock=time.perf_counter):
+def _timed(fn, device) -> tuple[float, float]:
+    """(wall seconds, the process's CPU seconds over all its threads) of one call."""
     _sync(device)
-    t0 = clock()
+    w0, c0 = time.perf_counter(), time.process_time()
     fn()
     _sync(device)
-    return clock() - t0
+    return time.perf_counter() - w0, time.process_time() - c0
 
 
 def make_snapshots(*, numel, dtype, lr, warmup, steps, device, seed=0):
@@ -64,30 +71,37 @@ def make_snapshots(*, numel, dtype, lr, warmup, steps, device, seed=0):
     return snaps
 
 
-def _best(fn, setup, repeats, device, clock=time.perf_counter):
-    """Best time of ``repeats`` runs of ``fn``, each after an untimed ``setup``."""
-    best = float("inf")
+def _best(fn, setup, repeats, device) -> tuple[float, float]:
+    """Best (wall, CPU) times of ``repeats`` runs of ``fn``, each after an untimed ``setup``; each
+    clock's best is taken on its own."""
+    wall = cpu = float("inf")
     for _ in range(repeats):
         setup()
-        best = min(best, _timed(fn, device, clock))
-    return best
+        w, c = _timed(fn, device)
+        wall, cpu = min(wall, w), min(cpu, c)
+    return wall, cpu
 
 
-def _row(*, name, impl, threads, block, raw, needed, enc, dec, clone):
+def _rows(*, name, impl, threads, block, raw, needed, enc, dec, clone):
+    """One row per clock (``wall``, ``cpu``) from per-step (wall, CPU) pairs."""
     med = statistics.median
     wire = statistics.mean(needed) / raw
-    e, d, c = med(enc), med(dec), med(clone)
-    return {
-        "codec": name, "impl": impl, "threads": threads, "block": block, "wire_over_raw": wire, "ratio": 1 / wire,
-        "encode_GBps": raw / e / 1e9, "decode_GBps": raw / d / 1e9, "both_GBps": raw / (e + d) / 1e9,
-        "clone_GBps": raw / c / 1e9, "encode_vs_clone": c / e, "decode_vs_clone": c / d,
-    }
+    out = []
+    for k, clock in enumerate(("wall", "cpu")):
+        e, d, c = (med(t[k] for t in ts) for ts in (enc, dec, clone))
+        out.append({
+            "codec": name, "impl": impl, "threads": threads, "block": block, "clock": clock,
+            "wire_over_raw": wire, "ratio": 1 / wire, "encode_GBps": raw / e / 1e9, "decode_GBps": raw / d / 1e9,
+            "both_GBps": raw / (e + d) / 1e9, "clone_GBps": raw / c / 1e9, "encode_vs_clone": c / e,
+            "decode_vs_clone": c / d, "both_vs_clone": 2 * c / (e + d),
+        })
+    return out
 
 
-def bench_one(*, name, snaps, block_size, backend, device, repeats=1, threads=None, impl=None,
-              clock=time.perf_counter):
+def bench_one(*, name, snaps, block_size, backend, device, repeats=1, threads=None, impl=None):
     """Encode/decode every consecutive pair; returns a row of figures. ``threads``: torch's (and the
-    native codecs') thread count while the codec runs; clone() always runs at one thread."""
+    native codecs') thread count while the codec runs; clone() always runs at one thread. Returns a
+    wall-clock row and a CPU-time row."""
     dtype, numel = snaps[0].dtype, snaps[0].numel()
     codec = make_codec(name, dtype=dtype, numel=numel, block_size=block_size, backend=backend)
     state = codec.new_state(shard=snaps[0])
@@ -97,18 +111,18 @@ def bench_one(*, name, snaps, block_size, backend, device, repeats=1, threads=No
     for prev, new in zip(snaps, snaps[1:]):
         target = prev.clone()
         torch.set_num_threads(1)
-        clone.append(_best(lambda: new.clone(), lambda: None, repeats, device, clock))
+        clone.append(_best(lambda: new.clone(), lambda: None, repeats, device))
         torch.set_num_threads(threads or before)
         enc.append(_best(lambda: codec.encode(shard=new, state=state, out=out),
-                         lambda: codec.reset_state(state=state, shard=prev), repeats, device, clock))
+                         lambda: codec.reset_state(state=state, shard=prev), repeats, device))
         header = out[:HEADER_BYTES].view(torch.int64).tolist()
         needed.append(header[2])
-        dec.append(_best(lambda: codec.decode(payload=out, target=target), lambda: target.copy_(prev), repeats, device, clock))
+        dec.append(_best(lambda: codec.decode(payload=out, target=target), lambda: target.copy_(prev), repeats, device))
         torch.set_num_threads(before)
         if not torch.equal(as_bits(target), as_bits(new)):
             raise AssertionError(f"{name}: decode is not bit-exact")
         codec.reset_state(state=state, shard=new)
-    return _row(name=name, impl=impl or backend, threads=threads or before, block=getattr(codec, "block_size", "-"),
+    return _rows(name=name, impl=impl or backend, threads=threads or before, block=getattr(codec, "block_size", "-"),
                 raw=codec.raw_bytes, needed=needed, enc=enc, dec=dec, clone=clone)
 
 
@@ -133,7 +147,7 @@ def peer_compressors():
     return peers, missing
 
 
-def bench_peer(*, name, compress, decompress, snaps, xor, repeats, device, clock=time.perf_counter):
+def bench_peer(*, name, compress, decompress, snaps, xor, repeats, device):
     """One thread. ``xor``: compress ``new ^ previous`` (the XOR and its inverse are timed with the
     compressor); else the raw values. Turning tensors into the bytearray a peer takes is not timed
     (ZipNN reorders its input in place, so every run gets a fresh copy)."""
@@ -144,24 +158,81 @@ def bench_peer(*, name, compress, decompress, snaps, xor, repeats, device, clock
         for prev, new in zip(snaps, snaps[1:]):
             pb, nb = as_bits(prev), as_bits(new)
             data_t = torch.bitwise_xor(nb, pb) if xor else nb
-            x_s = _best(lambda: torch.bitwise_xor(nb, pb), lambda: None, repeats, device, clock) if xor else 0.0
+            x_s = _best(lambda: torch.bitwise_xor(nb, pb), lambda: None, repeats, device) if xor else (0.0, 0.0)
             data = bytes(data_t.view(torch.uint8).numpy())
             box = {}
             c_s = _best(lambda: box.__setitem__("c", compress(box["in"])),
-                        lambda: box.__setitem__("in", bytearray(data)), repeats, device, clock)
-            d_s = _best(lambda: box.__setitem__("d", decompress(box["c"])), lambda: None, repeats, device, clock)
+                        lambda: box.__setitem__("in", bytearray(data)), repeats, device)
+            d_s = _best(lambda: box.__setitem__("d", decompress(box["c"])), lambda: None, repeats, device)
             got = torch.frombuffer(bytearray(box["d"]), dtype=nb.dtype)
-            u_s = _best(lambda: torch.bitwise_xor(got, pb), lambda: None, repeats, device, clock) if xor else 0.0
+            u_s = _best(lambda: torch.bitwise_xor(got, pb), lambda: None, repeats, device) if xor else (0.0, 0.0)
             if not torch.equal(torch.bitwise_xor(got, pb) if xor else got, nb):
                 raise AssertionError(f"{name}: round trip is not bit-exact")
-            enc.append(x_s + c_s)
-            dec.append(d_s + u_s)
+            enc.append((x_s[0] + c_s[0], x_s[1] + c_s[1]))
+            dec.append((d_s[0] + u_s[0], d_s[1] + u_s[1]))
             needed.append(len(box["c"]))
-            clone.append(_best(lambda: new.clone(), lambda: None, repeats, device, clock))
+            clone.append(_best(lambda: new.clone(), lambda: None, repeats, device))
     finally:
         torch.set_num_threads(before)
-    return _row(name=name + (" (xor prev)" if xor else ""), impl="peer", threads=1, block="-",
+    return _rows(name=name + (" (xor prev)" if xor else ""), impl="peer", threads=1, block="-",
                 raw=nb.numel() * nb.element_size(), needed=needed, enc=enc, dec=dec, clone=clone)
+
+
+# -- verdicts: the targets of issue 16, judged on one run's rows -----------------------------------
+TARGET_VS_CLONE = {"exponent_reuse": 0.3, "delta": 0.1}
+"""One thread: encode and decode each at least this fraction of clone()'s speed."""
+TARGET_SPEEDUP = 1.7
+"""Two threads vs one (wall clock, encode + decode)."""
+PAIRING = {"exponent_reuse": "raw values", "delta": "xor prev"}
+"""The peer setting each codec is judged against: exponent_reuse (no temporal state beyond
+exponents) vs the peers on the raw values, delta (sends the change) vs the peers on the XOR with
+the previous values."""
+
+
+def _pick(rows, *, lr, codec, impl, threads, clock):
+    return next((r for r in rows if r["lr"] == lr and r["codec"] == codec and r["impl"] == impl
+                 and r["threads"] == threads and r["clock"] == clock), None)
+
+
+def verdicts(rows, *, lrs, codecs, threads) -> list[str]:
+    """One line per target per learning rate: ``met`` / ``MISSED`` with the figures. One-thread
+    targets on the CPU clock (what the work costs, fair on a shared machine; the wall figure is
+    shown beside it); the speed-up on the wall clock."""
+    lines = []
+    fmt = lambda ok: "met" if ok else "MISSED"  # noqa: E731
+    for lr in lrs:
+        peers = [r for r in rows if r["lr"] == lr and r["impl"] == "peer" and r["clock"] == "cpu"]
+        for name in codecs:
+            one = _pick(rows, lr=lr, codec=name, impl="native", threads=1, clock="cpu")
+            one_w = _pick(rows, lr=lr, codec=name, impl="native", threads=1, clock="wall")
+            if one is None or name not in TARGET_VS_CLONE:
+                continue
+            t = TARGET_VS_CLONE[name]
+            ok = one["encode_vs_clone"] >= t and one["decode_vs_clone"] >= t
+            lines.append(f"lr {lr:g} {name}: encode/decode >= {t}x clone() at 1 thread: {fmt(ok)} "
+                         f"(cpu {one['encode_vs_clone']:.3f}x / {one['decode_vs_clone']:.3f}x, "
+                         f"wall {one_w['encode_vs_clone']:.3f}x / {one_w['decode_vs_clone']:.3f}x)")
+            for k in (k for k in threads if k > 1):
+                many = _pick(rows, lr=lr, codec=name, impl="native", threads=k, clock="wall")
+                if many is None:
+                    continue
+                sp = many["both_GBps"] / one_w["both_GBps"]
+                lines.append(f"lr {lr:g} {name}: {k} threads >= {TARGET_SPEEDUP}x one thread (wall, enc+dec): "
+                             f"{fmt(sp >= TARGET_SPEEDUP)} ({sp:.2f}x: {one_w['both_GBps']:.2f} -> "
+                             f"{many['both_GBps']:.2f} GB/s)")
+            if not peers:
+                continue
+            judged = [r for r in peers if (PAIRING[name] == "xor prev") == r["codec"].endswith("(xor prev)")]
+            for group, label in ((judged, f"the peers on {PAIRING[name]} (the pairing it is judged by)"),
+                                 (peers, "every peer row")):
+                beat = [r for r in group if one["both_GBps"] > r["both_GBps"] and one["wire_over_raw"] < r["wire_over_raw"]]
+                worst = [f"{r['codec']} {r['both_GBps']:.2f} GB/s at {r['wire_over_raw']:.3f}" for r in group
+                         if r not in beat]
+                lines.append(f"lr {lr:g} {name} vs {label}: faster (enc+dec, cpu) AND fewer bytes: "
+                             f"{fmt(len(beat) == len(group))} ({name} {one['both_GBps']:.2f} GB/s at "
+                             f"wire {one['wire_over_raw']:.3f}" + (f"; not beaten: {', '.join(worst)}" if worst else "")
+                             + ")")
+    return lines
 
 
 def main(argv=None) -> int:
@@ -175,45 +246,45 @@ def main(argv=None) -> int:
     p.add_argument("--backend", choices=["auto", "torch", "triton", "native"], default="auto")
     p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
                    help="CPU: reference vs native at 1 and 2 threads, and the peers (default on CPU)")
+    p.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --compare: also time the pure-torch references (slow: delta's moves ~0.02 GB/s)")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="native thread counts (--compare)")
     p.add_argument("--repeats", type=int, default=5, help="runs per measurement; the best counts")
-    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                   help="cpu: the process's CPU time, all threads (a shared machine's fair figure for one thread; "
-                        "rows with more threads are then skipped: their speed-up needs wall time)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--sweep-block", action="store_true", help="exponent_reuse wire ratio vs block size")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: checks the benchmark runs")
-    p.add_argument("--out-md", type=Path, default=None, help="also write the table as markdown")
+    p.add_argument("--out-md", type=Path, default=None, help="also write the table (and verdicts) as markdown")
     args = p.parse_args(argv)
     if args.smoke:
         args.numel, args.warmup, args.steps, args.lr, args.repeats = 4099, 3, 2, args.lr[:1], 1
     device = torch.device(args.device)
     compare = (device.type == "cpu") if args.compare is None else args.compare
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    if args.clock == "cpu":
-        if device.type != "cpu":
-            p.error("--clock cpu times CPU work only")
-        args.threads = [k for k in args.threads if k == 1]
-        torch.set_num_threads(1)
     dtype = DTYPES[args.dtype]
     codecs = args.codecs or available_codecs()
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
+    def load() -> str:
+        return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
     machine = (torch.cuda.get_device_name() if device.type == "cuda"
-               else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                    f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    print(f"# bench_codec: {args.numel} {args.dtype} values/shard, warmup {args.warmup}, "
-          f"{args.steps} steps, best of {args.repeats}, {args.clock} clock, device {device} ({machine}), torch {torch.__version__}")
+               else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores")
+    title = (f"# bench_codec: {args.numel} {args.dtype} values/shard, warmup {args.warmup}, {args.steps} steps, "
+             f"best of {args.repeats}, wall and CPU clocks, device {device} ({machine}), torch {torch.__version__}, "
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average at start {load()}")
+    print(title)
     peers, missing = peer_compressors() if compare and not args.sweep_block else ([], [])
+    notes = []
     if missing:
-        print(f"# peers skipped (not installed: {', '.join(missing)}): pip install -e '.[peers]'")
-    rows = []
+        notes.append(f"# peers skipped (not installed: {', '.join(missing)}): pip install -e '.[peers]'")
+        print(notes[-1])
 
     class _Rows(list):
-        def append(self, row):  # progress on stderr: a full run takes minutes
-            super().append(row)
-            print(f"# done: lr {row['lr']:g} {row['codec']} {row['impl']} x{row['threads']} "
-                  f"({len(self)} rows, {time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
+        def add(self, lr, new_rows):  # progress on stderr: a full run takes minutes
+            for row in new_rows:
+                self.append({"lr": lr, "load1": os.getloadavg()[0], **row})
+            row = new_rows[0]
+            print(f"# done: lr {lr:g} {row['codec']} {row['impl']} x{row['threads']} "
+                  f"({len(self)} rows, {time.perf_counter() - t_start:.0f} s, load {load()})", file=sys.stderr, flush=True)
 
     rows, t_start = _Rows(), time.perf_counter()
     for lr in args.lr:
@@ -221,43 +292,52 @@ def main(argv=None) -> int:
                                steps=args.steps, device=device)
         if args.sweep_block:
             for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
-                rows.append({"lr": lr, **bench_one(name="exponent_reuse", snaps=snaps, block_size=b, repeats=args.repeats,
-                                                   backend=args.backend, device=device)})
+                rows.add(lr, bench_one(name="exponent_reuse", snaps=snaps, block_size=b, repeats=args.repeats,
+                                       backend=args.backend, device=device)[:1])
             continue
         for name in codecs:
             if not compare or name == "raw":
-                rows.append({"lr": lr, **bench_one(name=name, snaps=snaps, block_size=None, backend=args.backend,
-                                                   device=device, repeats=args.repeats, clock=clock)})
+                rows.add(lr, bench_one(name=name, snaps=snaps, block_size=None, backend=args.backend,
+                                       device=device, repeats=args.repeats))
                 continue
-            rows.append({"lr": lr, **bench_one(name=name, snaps=snaps, block_size=None, backend="torch",
-                                               device=device, repeats=args.repeats, threads=1, impl="reference",
-                                               clock=clock)})
+            if args.reference:
+                rows.add(lr, bench_one(name=name, snaps=snaps, block_size=None, backend="torch", device=device,
+                                       repeats=args.repeats, threads=1, impl="reference"))
             if not native_available():
-                print(f"# native rows skipped: {native_reason()}")
+                notes.append(f"# native rows skipped: {native_reason()}")
+                print(notes[-1])
                 continue
             for k in args.threads:
-                rows.append({"lr": lr, **bench_one(name=name, snaps=snaps, block_size=None, backend="native",
-                                                   device=device, repeats=args.repeats, threads=k,
-                                                   impl="native", clock=clock)})
+                rows.add(lr, bench_one(name=name, snaps=snaps, block_size=None, backend="native", device=device,
+                                       repeats=args.repeats, threads=k, impl="native"))
         for pname, compress, decompress in peers:
             for xor in (False, True):
-                rows.append({"lr": lr, **bench_peer(name=pname, compress=compress, decompress=decompress,
-                                                    snaps=snaps, xor=xor, repeats=args.repeats, device=device,
-                                                    clock=clock)})
+                rows.add(lr, bench_peer(name=pname, compress=compress, decompress=decompress, snaps=snaps, xor=xor,
+                                        repeats=args.repeats, device=device))
 
-    header = ("| lr | codec | impl | threads | block | wire/raw | ratio | encode GB/s | decode GB/s "
-              "| enc+dec GB/s | clone GB/s | encode vs clone | decode vs clone |")
-    lines = [header, "|" + "---|" * 13]
-    for r in rows:
+    header = ("| lr | codec | impl | threads | clock | block | wire/raw | ratio | encode GB/s | decode GB/s "
+              "| enc+dec GB/s | clone GB/s | encode x clone | decode x clone | enc+dec x clone | load |")
+    lines = [header, "|" + "---|" * 16]
+    for r in sorted(rows, key=lambda r: (r["lr"], r["clock"] != "cpu", r["impl"] == "peer", r["codec"], r["impl"],
+                                         r["threads"])):
         lines.append(
-            f"| {r['lr']:g} | {r['codec']} | {r['impl']} | {r['threads']} | {r['block']} | {r['wire_over_raw']:.3f} "
-            f"| {r['ratio']:.2f}x | {r['encode_GBps']:.2f} | {r['decode_GBps']:.2f} | {r['both_GBps']:.2f} "
-            f"| {r['clone_GBps']:.2f} | {r['encode_vs_clone']:.3f} | {r['decode_vs_clone']:.3f} |"
+            f"| {r['lr']:g} | {r['codec']} | {r['impl']} | {r['threads']} | {r['clock']} | {r['block']} "
+            f"| {r['wire_over_raw']:.3f} | {r['ratio']:.2f}x | {r['encode_GBps']:.2f} | {r['decode_GBps']:.2f} "
+            f"| {r['both_GBps']:.2f} | {r['clone_GBps']:.2f} | {r['encode_vs_clone']:.3f} | {r['decode_vs_clone']:.3f} "
+            f"| {r['both_vs_clone']:.3f} | {r['load1']:.1f} |"
         )
     table = "\n".join(lines)
     print(table)
+    verdict = [] if args.sweep_block or not compare else verdicts(rows, lrs=args.lr, codecs=codecs,
+                                                                    threads=args.threads)
+    if verdict:
+        print("\nVerdicts (issue 16 targets):")
+        for v in verdict:
+            print(f"- {v}")
+    print(f"# load average at end {load()}")
     if args.out_md:
-        args.out_md.write_text(table + "\n")
+        args.out_md.write_text("\n".join([title, *notes, "", table, "", *(f"- {v}" for v in verdict),
+                                          f"# load average at end {load()}"]) + "\n")
     return 0
 
 

@@ -552,13 +552,13 @@ ALWAYS_INLINE int64_t delta_encode_block(const ciera_delta_layout *l, int W, int
     uint16_t exc[DELTA_MAX_BLOCK];
     /* Vectorisable: z, previous exponent and bit length of every value; then the new state. */
     for (int j = 0; j < valid; j++) {
-        uint32_t u_old = load_u(state, v0 + j, W);
-        uint32_t z = zigzag_u(load_u(shard, v0 + j, W), u_old, W);
+        uint32_t u_old = load_u(state, v0 + j, W), u_new = load_u(shard, v0 + j, W);
+        uint32_t z = zigzag_u(u_new, u_old, W);
+        store_u(state, v0 + j, u_new, W);
         zz[j] = z;
         ee[j] = (uint8_t)((u_old >> M) & emask);
         ll[j] = (uint8_t)bitlen_w(z, W);
     }
-    memcpy((uint8_t *)state + v0 * (W / 8), (const uint8_t *)shard + v0 * (W / 8), (size_t)valid * (W / 8));
     /* Widths from the table, exceptions, group sizes. */
     delta_widths(wc, ee, ww, valid);
     memset(ww + valid, 0, 4);
