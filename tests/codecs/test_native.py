@@ -240,6 +240,37 @@ def test_bytes_do_not_depend_on_threads(name, dtype, threads):
         assert torch.equal(as_bits(target), as_bits(new)), k
 
 
+@pytest.mark.parametrize("name", NATIVE_CODECS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_portable_and_avx2_paths_equal_the_reference(name, dtype, threads, monkeypatch):
+    """The C library has AVX2 (+BMI2) paths next to portable ones (width lookups, exception masks);
+    ``CIERA_NATIVE_AVX2=0`` forces the portable ones (read on every call). Both give the
+    reference's bytes, state and decoded bits on a trajectory step and on adversarial steps, at
+    sizes with partial blocks and groups, at 1 and 3 threads (section 1 runs every case with the
+    default path only)."""
+    for n, block in ((70_001, None), (1_037, None), (515, 8 if name == "exponent_reuse" else 16)):
+        tr = AdamTrajectory(numel=n, dtype=dtype, lr=3e-4, seed=5)
+        x = tr.step()
+        steps = [tr.step()] + [adversarial_step(x, kind=k, gen=torch.Generator().manual_seed(n))
+                               for k in ("nan_inf", "all_exponents", "replace", "sign_flip")]
+        ref = make_codec(name, dtype=dtype, numel=n, backend="torch", block_size=block)
+        nat = make_codec(name, dtype=dtype, numel=n, backend="native", block_size=block)
+        cap = ref.clamp_capacity(ref.max_bytes)
+        for y in steps:
+            want = torch.full((cap,), 0x5A, dtype=torch.uint8)
+            want_state = ref.new_state(shard=x)
+            ref.encode(shard=y, state=want_state, out=want)
+            for avx2, k in (("0", 1), ("0", 3), ("1", 1), ("1", 3)):
+                monkeypatch.setenv("CIERA_NATIVE_AVX2", avx2)
+                threads(k)
+                got, state = torch.full((cap,), 0x5A, dtype=torch.uint8), nat.new_state(shard=x)
+                nat.encode(shard=y, state=state, out=got)
+                assert torch.equal(got, want) and torch.equal(state, want_state), (n, avx2, k)
+                target = x.clone()
+                nat.decode(payload=want, target=target)
+                assert torch.equal(as_bits(target), as_bits(y)), (n, avx2, k)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(name=st.sampled_from(NATIVE_CODECS), dtype=st.sampled_from(DTYPES), data=st.data())
 def test_corrupt_payloads_never_crash(name, dtype, data):

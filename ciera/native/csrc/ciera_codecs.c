@@ -374,7 +374,10 @@ typedef struct {
 #define CIERA_X86 1
 #include <immintrin.h>
 #define AVX2_FN __attribute__((target("avx2,bmi,bmi2")))
+/* CIERA_NATIVE_AVX2=0 in the environment takes the portable paths (the tests compare both). */
 static int cpu_avx2(void) {
+    const char *env = getenv("CIERA_NATIVE_AVX2");
+    if (env && env[0] == '0') return 0;
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi2");
 }
@@ -878,10 +881,9 @@ HOT static int64_t delta_size_range(const ciera_delta_layout *l, const delta_wct
     return total;
 }
 
-/* Decoding share of the last chunk relative to the others: it alone needs no sizing pass (the
- * sizing pass reads the previous exponents only, about a third of a decode's work). */
-#define DELTA_LAST_CHUNK_WEIGHT 1.3
-
+/* Threads decode equal chunks of blocks; chunk k starts at the summed sizes of the blocks before
+ * it, which come from a sizing pass (widths and counts only) over every chunk but the last. That
+ * pass is itself split evenly over all threads, so no thread waits for another's sizing. */
 int ciera_delta_decode(const ciera_delta_layout *l, const uint8_t *payload, int64_t length, void *target, int threads) {
     if (!delta_supported(l)) return CIERA_E_ARGS;
     const int64_t n = l->numel, B = l->block_size;
@@ -895,23 +897,35 @@ int ciera_delta_decode(const ciera_delta_layout *l, const uint8_t *payload, int6
     const delta_wctx wc = delta_wctx_of(table, (int)l->exp_bits);
     threads = clamp_threads(threads);
     if (threads > nb) threads = (int)nb;
-    /* Chunk boundaries in blocks: the last chunk is weighted up (it skips the sizing pass). */
-    int64_t bnd[CIERA_MAX_THREADS + 1];
-    double unit = (double)nb / (threads - 1 + (threads > 1 ? DELTA_LAST_CHUNK_WEIGHT : 1.0));
-    for (int k = 0; k < threads; k++) bnd[k] = min64((int64_t)(unit * k), nb);
-    bnd[threads] = nb;
-    int64_t sizes[CIERA_MAX_THREADS];
+    int64_t bnd[CIERA_MAX_THREADS + 1]; /* decode chunk k: blocks [bnd[k], bnd[k+1]) */
+    for (int k = 0; k <= threads; k++) bnd[k] = nb * k / threads;
+    /* Sizing intervals: [0, bnd[threads-1]) cut at the chunk bounds and at `threads` equal pieces;
+       interval i is sized by the thread whose piece holds it. */
+    const int64_t L = bnd[threads - 1];
+    int64_t cut[2 * CIERA_MAX_THREADS + 2], sizes[2 * CIERA_MAX_THREADS + 1];
+    int owner[2 * CIERA_MAX_THREADS + 1], ncut = 0;
+    for (int k = 0; k < threads; k++) cut[ncut++] = bnd[k];
+    for (int q = 1; q <= threads; q++) cut[ncut++] = L * q / threads;
+    for (int i = 1; i < ncut; i++) /* insertion sort: a few entries */
+        for (int j = i; j > 0 && cut[j - 1] > cut[j]; j--) {
+            int64_t t = cut[j]; cut[j] = cut[j - 1]; cut[j - 1] = t;
+        }
+    for (int i = 0, q = 0; i + 1 < ncut; i++) {
+        while (q + 1 < threads && L * (q + 1) / threads <= cut[i]) q++;
+        owner[i] = q;
+    }
     int rc[CIERA_MAX_THREADS];
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int k = CIERA_THREAD_ID();
-        if (k + 1 < threads) sizes[k] = delta_size_range(l, &wc, payload + l->off_counts, target, bnd[k], bnd[k + 1]);
+        for (int i = 0; i + 1 < ncut; i++)
+            if (owner[i] == k) sizes[i] = delta_size_range(l, &wc, payload + l->off_counts, target, cut[i], cut[i + 1]);
 #pragma omp barrier
         int64_t pos = l->off_data;
         int bad = CIERA_OK;
-        for (int j = 0; j + 1 < threads; j++) {
-            if (sizes[j] < 0) bad = (int)sizes[j];
-            else if (j < k) pos += sizes[j];
+        for (int i = 0; i + 1 < ncut; i++) {
+            if (sizes[i] < 0) bad = (int)sizes[i];
+            else if (cut[i + 1] <= bnd[k]) pos += sizes[i];
         }
         rc[k] = bad != CIERA_OK ? bad : delta_decode_chunk_dispatch(l, &wc, payload, length, target, bnd[k], bnd[k + 1], pos);
     }
