@@ -21,8 +21,13 @@ Why C11 + OpenMP behind ctypes, built by ``setup.py``:
   ``torch.compile``'s C++ backend cannot express the sequential bit packing without graph breaks.
 * OpenMP threads follow ``torch.get_num_threads()``; each call cuts its shard into that many
   chunks of whole blocks, so the bytes never depend on the thread count.
-* One portable build: the hot loops also get an AVX2 clone chosen at load time (GCC
-  ``target_clones``), no ``-march=native``; speeds and the choice of peers are in BENCHMARKS.md.
+* One portable build, no ``-march=native``: the hot loops also get an x86-64-v3 (AVX2 + BMI2)
+  clone chosen at load time (GCC ``target_clones``), and delta's two byte-gather hot spots (one
+  width per previous exponent, the exception test) have explicit AVX2 paths chosen per call
+  (``CIERA_NATIVE_AVX2=0`` forces the portable ones; both are tested against the reference).
+  Speeds, the peers and the verdict per target are in BENCHMARKS.md (``make bench-codec``).
+* delta's bit packing works a word at a time: values are merged into <= 64-bit chunks (pairs and
+  quads) in independent loops, and only one shift-or per chunk stays serial; decoding mirrors it.
 
 ``CIERA_NATIVE=0`` in the environment disables the library (the references run).
 """
