@@ -16,9 +16,17 @@ from setuptools.command.build_ext import build_ext
 
 
 class BuildNative(build_ext):
-    """Builds ``ciera.native._ciera_codecs`` with OpenMP, or without it where the compiler lacks it."""
+    """Builds ``ciera.native._ciera_codecs`` with OpenMP and the x86-64-v3 / AVX2 paths; where the
+    compiler lacks them, without the CPU-specific paths (``-DCIERA_NO_CLONES``), then also without
+    OpenMP (one thread per call). Every variant writes the same bytes."""
 
     def build_extension(self, ext):
+        try:
+            super().build_extension(ext)
+            return
+        except Exception as e:
+            print(f"ciera.native: build failed ({e}); retrying without the CPU-specific paths")
+        ext.extra_compile_args = [*ext.extra_compile_args, "-DCIERA_NO_CLONES"]
         try:
             super().build_extension(ext)
         except Exception as e:  # no OpenMP: one thread per call, same bytes
