@@ -97,6 +97,19 @@ static void chunk_of(int k, int threads, int64_t units, int64_t unit, int64_t n,
     *hi = min64((int64_t)(k + 1) * per * unit, n);
 }
 
+/* Scratch of the calling thread, kept for its next call (OpenMP workers persist): the packed
+ * chunks of threads > 0 and their block ends. Grows to the largest chunk seen; never shrinks. */
+static uint8_t *thread_scratch(size_t nbytes) {
+    static _Thread_local uint8_t *buf = NULL;
+    static _Thread_local size_t cap = 0;
+    if (nbytes > cap) {
+        free(buf);
+        buf = malloc(nbytes);
+        cap = buf ? nbytes : 0;
+    }
+    return buf;
+}
+
 /* ============================================================================================
  * exponent_reuse
  * ============================================================================================ */
@@ -120,8 +133,9 @@ static int64_t er_slots(const ciera_er_layout *l, int64_t capacity) {
 }
 
 /* Sign|mantissa bytes, planes, bitmap and new state for values [lo, hi) (lo a multiple of 64). */
-ALWAYS_INLINE void er_encode_range(const ciera_er_layout *l, int W, int M, int E, int SMB, int NP,
-                                   const void *shard, uint8_t *state, uint8_t *out, int64_t lo, int64_t hi) {
+ALWAYS_INLINE int64_t er_encode_range(const ciera_er_layout *l, int W, int M, int E, int SMB, int NP,
+                                      const void *shard, uint8_t *state, uint8_t *out, int64_t lo, int64_t hi,
+                                      uint8_t *exps, int64_t room) {
     const int64_t B = l->block_size;
     const int64_t sub = B < 64 ? B : 64;
     const int lb = __builtin_ctzll((unsigned long long)B); /* B is a power of two */
@@ -132,6 +146,7 @@ ALWAYS_INLINE void er_encode_range(const ciera_er_layout *l, int W, int M, int E
     int64_t b_lo = lo / B, b_hi = (hi + B - 1) / B;
     int64_t byte_lo = b_lo / 8, byte_hi = min64((b_hi + 7) / 8, (nb + 7) / 8);
     if (byte_hi > byte_lo) memset(bitmap + byte_lo, 0, (size_t)(byte_hi - byte_lo));
+    int64_t n_changed = 0;
     for (int64_t t0 = lo; t0 < hi; t0 += 64) {
         int cnt = (int)min64(64, hi - t0);
         uint8_t d[64];
@@ -162,19 +177,27 @@ ALWAYS_INLINE void er_encode_range(const ciera_er_layout *l, int W, int M, int E
             if (any) {
                 int64_t b = (t0 + s * sub) >> lb;
                 bitmap[b >> 3] |= (uint8_t)(1u << (b & 7));
+                if (B <= 64 && n_changed < room) { /* the block's new exponents, still in L1 */
+                    int64_t v0 = b * B, valid = min64(B, l->numel - v0);
+                    memcpy(exps + n_changed * B, state + v0, (size_t)valid);
+                    if (valid < B) memset(exps + n_changed * B + valid, 0, (size_t)(B - valid));
+                }
+                n_changed++;
             }
         }
     }
+    return n_changed;
 }
 
-HOT static void er_encode_range_dispatch(const ciera_er_layout *l, const void *shard, uint8_t *state, uint8_t *out,
-                                     int64_t lo, int64_t hi) {
+/* Encodes values [lo, hi); blocks of <= 64 values also append the exponents of their first `room`
+ * changed blocks to exps. Returns the number of changed blocks. */
+HOT static int64_t er_encode_range_dispatch(const ciera_er_layout *l, const void *shard, uint8_t *state,
+                                            uint8_t *out, int64_t lo, int64_t hi, uint8_t *exps, int64_t room) {
     if (l->total_bits == 16 && l->mant_bits == 7)
-        er_encode_range(l, 16, 7, 8, 1, 0, shard, state, out, lo, hi);
-    else if (l->total_bits == 16 && l->mant_bits == 10)
-        er_encode_range(l, 16, 10, 5, 1, 3, shard, state, out, lo, hi);
-    else
-        er_encode_range(l, 32, 23, 8, 3, 0, shard, state, out, lo, hi);
+        return er_encode_range(l, 16, 7, 8, 1, 0, shard, state, out, lo, hi, exps, room);
+    if (l->total_bits == 16 && l->mant_bits == 10)
+        return er_encode_range(l, 16, 10, 5, 1, 3, shard, state, out, lo, hi, exps, room);
+    return er_encode_range(l, 32, 23, 8, 3, 0, shard, state, out, lo, hi, exps, room);
 }
 
 static int er_supported(const ciera_er_layout *l) {
@@ -207,36 +230,77 @@ int64_t ciera_er_encode(const ciera_er_layout *l, const void *shard, uint8_t *st
     if (n == 0) {
         return l->off_exps;
     }
+    int nomem = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int k = CIERA_THREAD_ID();
         int64_t lo, hi;
         chunk_of(k, threads, units, unit, n, &lo, &hi);
-        if (hi > lo) er_encode_range_dispatch(l, shard, state, out, lo, hi);
         int64_t blo = lo / B, bhi = (hi + B - 1) / B;
-        changed[k + 1] = hi > lo ? popcount_blocks(out + l->off_bitmap, blo, bhi) : 0;
+        /* Blocks of <= 64 values: the exponents of changed blocks are written while the tile is
+           hot, by the first chunk straight into their slots, by the others into scratch that is
+           copied to its slots once every earlier chunk's count is known. */
+        uint8_t *scratch = NULL, *dst = NULL;
+        int64_t room = 0;
+        if (B <= 64 && k == 0) {
+            dst = out + l->off_exps;
+            room = slots;
+        } else if (B <= 64 && hi > lo) {
+            scratch = thread_scratch((size_t)((bhi - blo) * B));
+            dst = scratch;
+            room = scratch ? bhi - blo : 0;
+            if (!scratch) {
+#pragma omp atomic write
+                nomem = 1;
+            }
+        }
+        int64_t c = hi > lo ? er_encode_range_dispatch(l, shard, state, out, lo, hi, dst, room) : 0;
+        changed[k + 1] = B <= 64 ? c : (hi > lo ? popcount_blocks(out + l->off_bitmap, blo, bhi) : 0);
 #pragma omp barrier
         int64_t base = 0;
         for (int j = 0; j < k; j++) base += changed[j + 1];
-        /* Exponents of changed blocks, in block order, while they fit in the slots. */
-        const uint8_t *bitmap = out + l->off_bitmap;
         uint8_t *exps = out + l->off_exps;
-        int64_t slot = base;
-        for (int64_t byte = blo / 8; hi > lo && byte < min64((bhi + 7) / 8, (nb + 7) / 8) && slot < slots; byte++) {
-            unsigned bits = bitmap[byte];
-            while (bits && slot < slots) {
-                int64_t b = byte * 8 + __builtin_ctz(bits);
-                bits &= bits - 1;
-                int64_t v0 = b * B, valid = min64(B, n - v0);
-                memcpy(exps + slot * B, state + v0, (size_t)valid);
-                if (valid < B) memset(exps + slot * B + valid, 0, (size_t)(B - valid));
-                slot++;
+        if (B <= 64) {
+            int64_t fit = min64(changed[k + 1], slots - base);
+            if (scratch && fit > 0) memcpy(exps + base * B, scratch, (size_t)(fit * B));
+        } else { /* exponents of changed blocks, in block order, while they fit in the slots */
+            const uint8_t *bitmap = out + l->off_bitmap;
+            int64_t slot = base;
+            for (int64_t byte = blo / 8; hi > lo && byte < min64((bhi + 7) / 8, (nb + 7) / 8) && slot < slots; byte++) {
+                unsigned bits = bitmap[byte];
+                while (bits && slot < slots) {
+                    int64_t b = byte * 8 + __builtin_ctz(bits);
+                    bits &= bits - 1;
+                    int64_t v0 = b * B, valid = min64(B, n - v0);
+                    memcpy(exps + slot * B, state + v0, (size_t)valid);
+                    if (valid < B) memset(exps + slot * B + valid, 0, (size_t)(B - valid));
+                    slot++;
+                }
             }
         }
     }
+    if (nomem) return CIERA_E_NOMEM;
     int64_t total = 0;
     for (int j = 0; j < threads; j++) total += changed[j + 1];
     return l->off_exps + total * B;
+}
+
+/* Exponents of the changed blocks among [blo, bhi) from slot *slot on (block order). */
+ALWAYS_INLINE void er_patch_blocks(const ciera_er_layout *l, int W, int M, uint32_t exp_field, const uint8_t *payload,
+                                   void *target, int64_t blo, int64_t bhi, int64_t *slot) {
+    const int64_t B = l->block_size;
+    const uint8_t *bitmap = payload + l->off_bitmap;
+    const uint8_t *exps = payload + l->off_exps;
+    for (int64_t b = blo; b < bhi; b++) {
+        if (!((bitmap[b >> 3] >> (b & 7)) & 1)) continue;
+        int64_t v0 = b * B, valid = min64(B, l->numel - v0);
+        const uint8_t *src = exps + *slot * B;
+        for (int64_t j = 0; j < valid; j++) {
+            uint32_t u = load_u(target, v0 + j, W);
+            store_u(target, v0 + j, (u & ~exp_field) | ((uint32_t)src[j] << M), W);
+        }
+        ++*slot;
+    }
 }
 
 ALWAYS_INLINE void er_decode_range(const ciera_er_layout *l, int W, int M, int E, int SMB, int NP,
@@ -259,21 +323,11 @@ ALWAYS_INLINE void er_decode_range(const ciera_er_layout *l, int W, int M, int E
             u = (u & exp_field) | (sm & mmask) | (((sm >> M) & 1) ? sign_bit : 0);
             store_u(target, t0 + j, u, W);
         }
+        /* Blocks of at most 64 values lie inside one tile (tiles start at multiples of 64): patch
+           their exponents while the tile is in L1, rather than in a second pass over the target. */
+        if (B <= 64) er_patch_blocks(l, W, M, exp_field, payload, target, t0 / B, (t0 + cnt + B - 1) / B, &slot);
     }
-    /* Patch the exponents of the changed blocks. */
-    const uint8_t *bitmap = payload + l->off_bitmap;
-    const uint8_t *exps = payload + l->off_exps;
-    int64_t blo = lo / B, bhi = (hi + B - 1) / B;
-    for (int64_t b = blo; b < bhi; b++) {
-        if (!((bitmap[b >> 3] >> (b & 7)) & 1)) continue;
-        int64_t v0 = b * B, valid = min64(B, l->numel - v0);
-        const uint8_t *src = exps + slot * B;
-        for (int64_t j = 0; j < valid; j++) {
-            uint32_t u = load_u(target, v0 + j, W);
-            store_u(target, v0 + j, (u & ~exp_field) | ((uint32_t)src[j] << M), W);
-        }
-        slot++;
-    }
+    if (B > 64) er_patch_blocks(l, W, M, exp_field, payload, target, lo / B, (hi + B - 1) / B, &slot);
 }
 
 HOT static void er_decode_range_dispatch(const ciera_er_layout *l, const uint8_t *payload, void *target, int64_t lo,
@@ -646,19 +700,6 @@ HOT static int64_t delta_encode_blocks(const ciera_delta_layout *l, const delta_
         if (ends) ends[b - b_lo] = pos;
     }
     return pos;
-}
-
-/* Scratch of the calling thread, kept for its next call (OpenMP workers persist): the packed
- * chunks of threads > 0 and their block ends. Grows to the largest chunk seen; never shrinks. */
-static uint8_t *thread_scratch(size_t nbytes) {
-    static _Thread_local uint8_t *buf = NULL;
-    static _Thread_local size_t cap = 0;
-    if (nbytes > cap) {
-        free(buf);
-        buf = malloc(nbytes);
-        cap = buf ? nbytes : 0;
-    }
-    return buf;
 }
 
 int64_t ciera_delta_encode(const ciera_delta_layout *l, const void *shard, void *state, uint8_t *out,
