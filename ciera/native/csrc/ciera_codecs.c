@@ -28,8 +28,9 @@
 #define CIERA_MAX_THREADS 256
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-/* Hot loops get an AVX2 clone next to the baseline one, picked at load time (GNU ifunc), so one
- * build runs everywhere and vectorises where the CPU can. */
+/* Hot loops get an x86-64-v3 clone (AVX2, BMI2: one-uop variable shifts) next to the baseline
+ * one, picked at load time (GNU ifunc), so one build runs everywhere and vectorises where the CPU
+ * can. delta's byte gathers also have explicit AVX2 paths, chosen per call (delta_wctx). */
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__) && !defined(CIERA_NO_CLONES)
 #define HOT __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
