@@ -97,10 +97,21 @@ def probe_latency(tb, *, rounds: int = 200, port: int = 29503, timeout: float = 
     return float(res.stdout.strip())
 
 
-def link_for(cfg: dict) -> TwoLevelLink:
-    """gloo's all-gather is one flat ring over every rank (ranks fill hosts in order), each step
-    paced by the host link, which carries data both ways at once: the duplex probe's rate when
-    measured (``link_duplex_bytes_per_s``), else the one-way stream's."""
+def link_for(cfg: dict) -> LinkModel | TwoLevelLink:
+    """The link the predictions use.
+
+    Preferred: gloo's own all-gather fitted at smaller sizes than the timed gathers
+    (``gather.gloo_link``, :func:`ciera.cost_model.measure_link`, what ``auto`` measures at run
+    time): a flat ring of ``world - 1`` steps whose per-byte cost includes what TCP probes miss
+    (gloo moves one stream per peer in chunks and pays its own copies; on this testbed a single
+    gloo gather reaches ~65-75% of the TCP probe's rate).
+
+    Otherwise, from the TCP probes: gloo's all-gather is one flat ring over every rank (ranks fill
+    hosts in order), each step paced by the host link, which carries data both ways at once: the
+    duplex probe's rate when measured (``link_duplex_bytes_per_s``), else the one-way stream's."""
+    fit = (cfg.get("gather") or {}).get("gloo_link")
+    if fit:
+        return LinkModel(fit["bandwidth_bytes_per_s"], fit["latency_s"])
     bw = cfg.get("link_duplex_bytes_per_s") or cfg["link_probe_bytes_per_s"]
     return TwoLevelLink(intra=LinkModel(LOOPBACK_BYTES_PER_S), inter=LinkModel(bw, cfg.get("link_latency_s", 0.0)),
                         gpus_per_node=cfg["nproc"], nics_per_node=1, algorithm="ring")
