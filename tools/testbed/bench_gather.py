@@ -150,6 +150,10 @@ def run(*, numel: int, modes: list[str], lr: float, warmup: int, steps: int, buc
             "decode_ms": s.decode_s / max(1, s.gathers // buckets) * 1e3,
             "codec": g.stats.codec,
         }
+        d = g.selector.decision if g.selector is not None else None
+        if d is not None:  # what the cost model predicted and why (auto's log line)
+            out["modes"][m]["decision"] = {"choice": d.choice, "reason": d.reason,
+                                           "predicted_ms": {k: v * 1e3 for k, v in d.times.items()}}
     return out
 
 
