@@ -59,3 +59,9 @@ def test_break_even_link_rate_between_testbed_rates():
     fast = decide(raw_bytes_per_rank=SHARD, world=WORLD, link=LinkModel(break_even * 1.5), candidates=_candidates())
     slow = decide(raw_bytes_per_rank=SHARD, world=WORLD, link=LinkModel(break_even / 1.5), candidates=_candidates())
     assert fast.choice == "raw" and slow.choice != "raw"
+
+
+def test_raw_decision_says_what_compression_would_cost():
+    d = decide(raw_bytes_per_rank=SHARD, world=WORLD, link=LinkModel(13.2e9), candidates=_candidates())
+    assert d.choice == "raw"
+    assert "compressing is not faster: exponent_reuse" in d.reason and "delta" in d.reason, d.reason

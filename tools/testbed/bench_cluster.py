@@ -182,25 +182,28 @@ def plot(results: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    series: list[dict[str, list]] = [{}, {}]  # per panel: label -> [(Gbit/s, speed-up)], one line each
     for r in results:
-        g = r.get("gather")
-        if g:
+        x = parse_rate(r["rate"]) / 1e9
+        for g in r.get("gathers", [r["gather"]] if r.get("gather") else [])[:1]:
             for m, s in g["modes"].items():
-                axes[0].scatter(parse_rate(r["rate"]) / 1e9, g["plain_ms"] / s["ms"], label=f"{r['layout']} {m}")
+                series[0].setdefault(f"{r['layout']} {m}", []).append((x, g["plain_ms"] / s["ms"]))
         for t in r.get("train", []):
             base = next((b for b in r["train"] if b["mode"] == "baseline" and b["overlap"] == t["overlap"]), None)
-            if base and t["mode"] != "baseline" and t["ms"]:
-                axes[1].scatter(parse_rate(r["rate"]) / 1e9, base["ms"] / t["ms"],
-                                label=f"{r['layout']} {t['mode']} {'ovl' if t['overlap'] else 'sync'}")
-    for ax, title in zip(axes, ["gather speed-up vs plain", "iteration speed-up vs baseline"]):
+            if base and t["mode"] != "baseline" and t["ms"] and base["ms"]:
+                label = f"{r['layout']} {t['mode']} {'overlap' if t['overlap'] else 'sync'}"
+                series[1].setdefault(label, []).append((x, base["ms"] / t["ms"]))
+    for ax, lines, title in zip(axes, series, ["gather speed-up vs plain", "iteration speed-up vs baseline"]):
+        for label, pts in sorted(lines.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o" if label.startswith("2x1") else "s",
+                    ls="-" if "sync" not in label else "--", label=label)
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xscale("log")
         ax.set_xlabel("link rate (Gbit/s)")
         ax.set_ylabel("speed-up (x)")
         ax.set_title(title)
-        handles, labels = ax.get_legend_handles_labels()
-        uniq = dict(zip(labels, handles))
-        ax.legend(uniq.values(), uniq.keys(), fontsize=6)
+        ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
