@@ -102,7 +102,6 @@ def run(*, numel: int, modes: list[str], lr: float, warmup: int, steps: int, buc
     bufs = {m: _Buckets(torch.zeros_like(plain), world=world, rank=rank, k=buckets) for m in modes}
     multi = {m: [CieraAllGather(v, config=mode_config(m), name=f"{m}.b{i}") for i, v in enumerate(b.views)]
              for m, b in bufs.items()}
-    gathers = {m: gs[0] for m, gs in multi.items()}  # for stats / codec: summed below
     times = {m: [] for m in ["plain", *modes]}
     before = {}
 
