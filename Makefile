@@ -44,10 +44,11 @@ testbed-setup:
 demo-cluster: setup
 	$(BIN)/python tools/testbed/demo_cluster.py
 
-# The measurement: gather and training on the testbed at 1, 2.5 and 10 Gbit/s (root; hours on 2 cores with
-# the reference codecs: forced delta runs dominate). Writes outputs/bench-cluster/bench_cluster.{md,png}.
+# The measurement: gather and training on the testbed at 1, 2.5 and 10 Gbit/s (root; ~40 min on 2 cores with
+# the native codecs). Writes outputs/bench-cluster/bench_cluster.{md,png}. BENCHMARKS.md's figures: collate.py.
 bench-cluster: setup
-	$(BIN)/python tools/testbed/bench_cluster.py --out-dir outputs/bench-cluster
+	$(BIN)/python tools/testbed/bench_cluster.py --autogroup-nice -19 --experts 32 --bucket-size 2000000 \
+	  --out-dir outputs/bench-cluster
 
 # The Megatron tests on the newest megatron-core (needs Python >= 3.12; torch for 3.12 comes from
 # PyPI as its default CUDA build, which runs on CPU). Separate venv; CI stays on 0.16.1 / 3.11.

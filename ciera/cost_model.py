@@ -293,9 +293,13 @@ def decide(*, raw_bytes_per_rank: int, world: int, link: Link, candidates: Seque
                 f"keep {current}: {best.name} {best.total_s * 1e6:.1f} us is not {hysteresis:.0%} better "
                 f"than {cur.total_s * 1e6:.1f} us"), **common)
     raw = preds[0]
+    where = f"({raw_bytes_per_rank} B/rank, world {world})"
+    if best is raw:  # say what compression would have cost: the log shows why it sends raw
+        alts = ", ".join(f"{p.name} {p.total_s * 1e6:.1f} us" for p in preds[1:])
+        return Decision(choice=RAW, reason=(
+            f"raw {raw.total_s * 1e6:.1f} us; compressing is not faster{': ' + alts if alts else ''} {where}"), **common)
     return Decision(choice=best.name, reason=(
-        f"{best.name} {best.total_s * 1e6:.1f} us vs raw {raw.total_s * 1e6:.1f} us "
-        f"({raw_bytes_per_rank} B/rank, world {world})"), **common)
+        f"{best.name} {best.total_s * 1e6:.1f} us vs raw {raw.total_s * 1e6:.1f} us {where}"), **common)
 
 
 # ---------------------------------------------------------------------------------------------

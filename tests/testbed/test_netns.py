@@ -35,6 +35,8 @@ def test_config_errors_name_the_field():
         LinkSpec(rate="100MBps")
     with pytest.raises(ValueError, match="subnet"):
         TestbedConfig(subnet="192.168.1")
+    with pytest.raises(ValueError, match="autogroup_nice=-21"):
+        TestbedConfig(autogroup_nice=-21)
     assert netns.parse_rate("2.5gbit") == 2.5e9 and netns.parse_rate("800mbit") == 8e8
 
 
@@ -142,3 +144,25 @@ def test_cleanup_removes_leftovers_of_a_killed_run(netns_ok):
     removed = netns.remove_stale(prefix=name)
     assert sorted(removed) == sorted(set(removed)) and removed
     _assert_gone(name)
+
+
+AUTOGROUP = Path("/proc/self/autogroup")
+
+
+@pytest.mark.skipif(not AUTOGROUP.exists(), reason="kernel without autogroup scheduling")
+def test_autogroup_nice_reaches_host_commands_and_torchrun_workers(netns_ok, tmp_path):
+    """A host command and a script run as torchrun runs a worker (its own session, through
+    autogroup_exec.py) both get the configured session priority; the script sees its own argv.
+    Uses +5 (lowers priority: harmless on a shared machine)."""
+    from tools.testbed.testbed import torchrun_command
+
+    script = tmp_path / "w.py"
+    script.write_text("import sys\nprint(open('/proc/self/autogroup').read().split()[-1], sys.argv[1:])\n")
+    with Testbed(TestbedConfig(hosts=2, autogroup_nice=5)) as tb:
+        assert tb.run(0, ["cat", "/proc/self/autogroup"]).stdout.split()[-1] == "5"
+        cmd = torchrun_command(tb, 0, nproc_per_node=1, port=29400, script=[str(script), "a", "b"])
+        wrapper, target = cmd[-4], cmd[-3]
+        assert wrapper.endswith("autogroup_exec.py") and target == str(script)
+        p = tb.popen(0, [sys.executable, wrapper, target, "a", "b"], stdout=subprocess.PIPE, text=True)
+        out, _ = p.communicate(timeout=60)
+    assert out.split(None, 1) == ["5", "['a', 'b']\n"], out

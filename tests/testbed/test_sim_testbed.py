@@ -29,8 +29,9 @@ def test_gather_prediction_hand_computed():
     sim = predict(_cfg())
     shard = (1 << 20) // 2 * 2  # bf16 bytes per rank
     assert sim["gather"]["plain_ms"] == pytest.approx(shard / 1e8 * 1e3)
-    # encode 5 ms + half the bytes on the link + decode 5 ms (speeds derived from those timers)
-    assert sim["gather"]["exponent_reuse"] == pytest.approx(5 + shard / 2 / 1e8 * 1e3 + 5)
+    # encode 5 ms + half the bytes on the link + the 16-byte size agreement + decode 5 ms (speeds
+    # derived from those timers)
+    assert sim["gather"]["exponent_reuse"] == pytest.approx(5 + shard / 2 / 1e8 * 1e3 + 16 / 1e8 * 1e3 + 5)
     assert sim["gather"]["auto"] == sim["gather"]["plain_ms"]  # auto sent raw throughout
 
 
@@ -41,7 +42,8 @@ def test_sync_training_prediction_hand_computed():
     # the codec's speeds (bytes/s) from the gather bench, applied to the training bucket
     enc_ms = shard / ((1 << 20) / 5e-3) * 1e3
     dec_ms = shard / ((1 << 20) / 5e-3) * 1e3
-    assert sim["train"]["exponent_reuse:sync"] == pytest.approx(100 - raw_ms + enc_ms + raw_ms / 2 + dec_ms)
+    agree_ms = 16 / 1e8 * 1e3
+    assert sim["train"]["exponent_reuse:sync"] == pytest.approx(100 - raw_ms + enc_ms + raw_ms / 2 + agree_ms + dec_ms)
     assert "delta:sync" not in sim["train"]  # no codec speeds measured for it
 
 
@@ -53,3 +55,34 @@ def test_report_flags_a_mismatch():
     assert rows["exponent_reuse"].rstrip().endswith("| yes | 104.5 |"), rows["exponent_reuse"]
     assert "| NO |" in rows["delta"]
     assert "0.95x" in rows["exponent_reuse"]
+
+
+def test_baseline_predicted_from_another_rate_and_collated(tmp_path):
+    """The baseline at a slow link = the baseline at a fast one + the change in the predicted
+    all-gather and reduce-scatter (same bytes) on each configuration's fitted gloo link; collate
+    joins a gather-only and a training-only run of one configuration into one report."""
+    import json
+
+    from tools.testbed.collate import main as collate
+    from tools.testbed.sim_testbed import predict_baseline
+
+    slow, fast = _cfg(), _cfg()
+    slow["gather"]["gloo_link"] = {"bandwidth_bytes_per_s": 1e8, "latency_s": 0.0}
+    fast["gather"]["gloo_link"] = {"bandwidth_bytes_per_s": 1e9, "latency_s": 0.0}
+    fast["rate"] = "10gbit"
+    shard = 20e6 / 10 / 2
+    want = 100 + 2 * (shard / 1e8 - shard / 1e9) * 1e3
+    assert predict_baseline(slow, fast, overlap=False) == pytest.approx(want)
+    assert predict_baseline(slow, fast, overlap=True) is None  # no overlapped baseline measured
+
+    files = []
+    for i, (cfg, part) in enumerate([(slow, "gather"), (slow, "train"), (fast, "train"), (fast, "gather")]):
+        r = {k: v for k, v in cfg.items() if k not in ("gather", "train")}
+        r.update({"gathers": [cfg["gather"]], "train": []} if part == "gather" else {"train": cfg["train"]})
+        f = tmp_path / f"{i}.json"
+        f.write_text(json.dumps({"meta": {"date": "d", "machine": "m", "command": f"c{i}"}, "results": [r]}))
+        files.append(f)
+    assert collate([*map(str, files), "--out-dir", str(tmp_path / "out")]) == 1  # delta's sha256 differs: NO
+    md = (tmp_path / "out" / "bench_cluster.md").read_text()
+    assert f"| train sync baseline (from the baseline at 10gbit) | 100.0 | {want:.1f} |" in md
+    assert (tmp_path / "out" / "bench_cluster.png").stat().st_size > 0

@@ -23,7 +23,9 @@ are put next to the measured times. Writes ``results.json``, ``bench_cluster.md`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import fcntl
 import json
 import os
 import platform
@@ -53,11 +55,15 @@ SHA = re.compile(r"^params sha256: ([0-9a-f]{64})$", re.M)
 TOTAL = re.compile(r"^total\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x", re.M)
 
 
-def train_flags(*, hidden: int, layers: int, experts: int, iters: int, seq: int, dp: int) -> list[str]:
-    """bench_training's model, made communication-bound: short sequences, one micro-batch per rank."""
+def train_flags(*, hidden: int, layers: int, experts: int, iters: int, seq: int, dp: int,
+                bucket_size: int | None = None) -> list[str]:
+    """bench_training's model, made communication-bound: short sequences, one micro-batch per rank
+    (params large relative to compute: top-2 of many experts); ``bucket_size`` (``--ddp-bucket-size``)
+    splits the params into several buckets, so that overlapped gathers pipeline."""
+    extra = [] if bucket_size is None else ["--ddp-bucket-size", str(bucket_size)]
     return model_flags(hidden=hidden, layers=layers, experts=experts, ep=1, iters=iters) + [
         "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--micro-batch-size", "1",
-        "--global-batch-size", str(dp), "--log-interval", "2"]
+        "--global-batch-size", str(dp), "--log-interval", "2", *extra]
 
 
 def _torchrun_all(tb: Testbed, script: list[str], *, nproc: int, timeout: float, log_dir: Path) -> list[str]:
@@ -71,10 +77,26 @@ def _torchrun_all(tb: Testbed, script: list[str], *, nproc: int, timeout: float,
     return logs
 
 
-def bench_gather(tb, *, nproc, numel, warmup, steps, timeout, work: Path) -> dict:
+@contextlib.contextmanager
+def locked(path: Path | None):
+    """Hold an exclusive ``flock`` on ``path`` (None: no lock) for one measurement run, so that
+    timing runs of different jobs sharing the machine never overlap."""
+    if path is None:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def bench_gather(tb, *, nproc, numel, warmup, steps, timeout, work: Path, buckets: int = 1) -> dict:
     out = work / "gather.json"
     _torchrun_all(tb, [str(ROOT / "tools/testbed/bench_gather.py"), "--numel", str(numel), "--warmup", str(warmup),
-                       "--steps", str(steps), "--out", str(out)], nproc=nproc, timeout=timeout, log_dir=work)
+                       "--steps", str(steps), "--buckets", str(buckets), "--out", str(out)],
+                  nproc=nproc, timeout=timeout, log_dir=work)
     return json.loads(out.read_text())
 
 
@@ -120,19 +142,22 @@ def _fmt(x, spec=".1f"):
 
 def report(results: list[dict], meta: dict) -> str:
     lines = [f"# bench_cluster ({meta['date']}, {meta['machine']})", "",
-             f"Command: `{meta['command']}`", "", "## Gather (bf16 AdamW trajectory, lr 1e-4; median per gather)", "",
-             "| layout | link | TCP MB/s one way / duplex | numel | plain ms | mode | CIERA ms | speed-up | wire/raw | codec used | bit-exact | sim plain ms | sim CIERA ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"Command: `{meta['command']}`", "",
+             "Load average (1 min) per configuration, after each run: " + "; ".join(
+                 f"{r['layout']}@{r['rate']} " + " ".join(f"{x:.1f}" for x in r.get("load_avg", [])) for r in results), "", "## Gather (bf16 AdamW trajectory, lr 1e-4; median per gather)", "",
+             "| layout | link | TCP MB/s one way / duplex | numel | buckets | plain ms | mode | CIERA ms | speed-up | wire/raw "
+             "| encode / decode ms | codec used | bit-exact | sim plain ms | sim CIERA ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        g = r.get("gather")
-        if not g:
-            continue
-        sim = r.get("sim", {}).get("gather", {})
-        for m, s in g["modes"].items():
+        for g in r.get("gathers", [r["gather"]] if r.get("gather") else []):
+            sim = r.get("sim", {}).get("gather", {}) if g is r.get("gather") else {}
             probe = f"{r['link_probe_bytes_per_s'] / 1e6:.0f} / {r.get('link_duplex_bytes_per_s', 0) / 1e6:.0f}"
-            lines.append(f"| {r['layout']} | {r['rate']} | {probe} | {g['numel']:,} | {g['plain_ms']:.1f} | {m} | {s['ms']:.1f} "
-                         f"| {g['plain_ms'] / s['ms']:.2f}x | {s['wire_bytes'] / max(1, s['raw_bytes']):.3f} | {s['codec']} "
-                         f"| {g['bit_exact_steps']} steps | {_fmt(sim.get('plain_ms'))} | {_fmt(sim.get(m))} |")
+            for m, s in g["modes"].items():
+                lines.append(
+                    f"| {r['layout']} | {r['rate']} | {probe} | {g['numel']:,} | {g.get('buckets', 1)} | {g['plain_ms']:.1f} "
+                    f"| {m} | {s['ms']:.1f} | {g['plain_ms'] / s['ms']:.2f}x | {s['wire_bytes'] / max(1, s['raw_bytes']):.3f} "
+                    f"| {s['encode_ms']:.1f} / {s['decode_ms']:.1f} | {s['codec']} | {g['bit_exact_steps']} steps "
+                    f"| {_fmt(sim.get('plain_ms'))} | {_fmt(sim.get(m))} |")
     lines += ["", "## Training (pretrain_gpt.py; median ms per iteration after the first interval)", "",
               "| layout | link | gather | mode | ms / iter | vs baseline | all-gather MB raw -> wire | losses + sha256 = baseline | sim ms |",
               "|---|---|---|---|---|---|---|---|---|"]
@@ -157,25 +182,28 @@ def plot(results: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    series: list[dict[str, list]] = [{}, {}]  # per panel: label -> [(Gbit/s, speed-up)], one line each
     for r in results:
-        g = r.get("gather")
-        if g:
+        x = parse_rate(r["rate"]) / 1e9
+        for g in r.get("gathers", [r["gather"]] if r.get("gather") else [])[:1]:
             for m, s in g["modes"].items():
-                axes[0].scatter(parse_rate(r["rate"]) / 1e9, g["plain_ms"] / s["ms"], label=f"{r['layout']} {m}")
+                series[0].setdefault(f"{r['layout']} {m}", []).append((x, g["plain_ms"] / s["ms"]))
         for t in r.get("train", []):
             base = next((b for b in r["train"] if b["mode"] == "baseline" and b["overlap"] == t["overlap"]), None)
-            if base and t["mode"] != "baseline" and t["ms"]:
-                axes[1].scatter(parse_rate(r["rate"]) / 1e9, base["ms"] / t["ms"],
-                                label=f"{r['layout']} {t['mode']} {'ovl' if t['overlap'] else 'sync'}")
-    for ax, title in zip(axes, ["gather speed-up vs plain", "iteration speed-up vs baseline"]):
+            if base and t["mode"] != "baseline" and t["ms"] and base["ms"]:
+                label = f"{r['layout']} {t['mode']} {'overlap' if t['overlap'] else 'sync'}"
+                series[1].setdefault(label, []).append((x, base["ms"] / t["ms"]))
+    for ax, lines, title in zip(axes, series, ["gather speed-up vs plain", "iteration speed-up vs baseline"]):
+        for label, pts in sorted(lines.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o" if label.startswith("2x1") else "s",
+                    ls="-" if "sync" not in label else "--", label=label)
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xscale("log")
         ax.set_xlabel("link rate (Gbit/s)")
         ax.set_ylabel("speed-up (x)")
         ax.set_title(title)
-        handles, labels = ax.get_legend_handles_labels()
-        uniq = dict(zip(labels, handles))
-        ax.legend(uniq.values(), uniq.keys(), fontsize=6)
+        ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -187,6 +215,13 @@ def main(argv=None) -> int:
     p.add_argument("--numel", type=int, default=1 << 23, help="gather bucket values")
     p.add_argument("--gather-warmup", type=int, default=6)
     p.add_argument("--gather-steps", type=int, default=6)
+    p.add_argument("--gather-buckets", type=int, nargs="+", default=[1],
+                   help="buckets per gathered step (K > 1: pipelined, see bench_gather.py); one gather run each")
+    p.add_argument("--autogroup-nice", type=int, default=None,
+                   help="scheduler priority of the hosts' sessions (TestbedConfig.autogroup_nice), e.g. -19 "
+                        "on a shared machine with autogroup scheduling, where others' nice 19 does not yield")
+    p.add_argument("--lock", type=Path, default=None,
+                   help="flock this file around each measurement run (probe, gather, training launch)")
     p.add_argument("--train-modes", nargs="*", default=list(TRAIN_MODES), choices=list(TRAIN_MODES))
     p.add_argument("--train-gather", nargs="+", default=["overlap", "sync"], choices=["overlap", "sync"])
     p.add_argument("--hidden", type=int, default=256)
@@ -194,6 +229,7 @@ def main(argv=None) -> int:
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--iters", type=int, default=12)
+    p.add_argument("--bucket-size", type=int, default=None, help="--ddp-bucket-size of the training runs")
     p.add_argument("--repeats", type=int, default=2, help="training runs per mode, order rotated")
     p.add_argument("--no-gather", action="store_true")
     p.add_argument("--timeout", type=float, default=900, help="per launch")
@@ -213,24 +249,31 @@ def main(argv=None) -> int:
         for layout in a.layouts:
             hosts, nproc = (int(x) for x in layout.split("x"))
             dp = hosts * nproc
-            flags = train_flags(hidden=a.hidden, layers=a.layers, experts=a.experts, iters=a.iters, seq=a.seq, dp=dp)
+            flags = train_flags(hidden=a.hidden, layers=a.layers, experts=a.experts, iters=a.iters, seq=a.seq, dp=dp,
+                                bucket_size=a.bucket_size)
             for rate in a.rates:
                 cfg = {"layout": layout, "hosts": hosts, "nproc": nproc, "rate": rate, "train": []}
-                with Testbed(TestbedConfig(hosts=hosts, link=LinkSpec(rate=rate))) as tb, \
+                with Testbed(TestbedConfig(hosts=hosts, link=LinkSpec(rate=rate),
+                                          autogroup_nice=a.autogroup_nice)) as tb, \
                         tempfile.TemporaryDirectory() as tmp:
                     work = Path(tmp)
-                    cfg["link_probe_bytes_per_s"] = probe_link(tb)
-                    cfg["link_duplex_bytes_per_s"] = probe_duplex(tb)
-                    cfg["link_latency_s"] = probe_latency(tb)
+                    with locked(a.lock):
+                        cfg["link_probe_bytes_per_s"] = probe_link(tb)
+                        cfg["link_duplex_bytes_per_s"] = probe_duplex(tb)
+                        cfg["link_latency_s"] = probe_latency(tb)
+                    cfg["load_avg"] = [os.getloadavg()[0]]
                     print(f"== {layout} at {rate} (testbed {tb.name}): one TCP stream "
                           f"{cfg['link_probe_bytes_per_s'] / 1e6:.0f} MB/s, both ways at once "
                           f"{cfg['link_duplex_bytes_per_s'] / 1e6:.0f} MB/s, latency "
                           f"{cfg['link_latency_s'] * 1e6:.0f} us", flush=True)
-                    if not a.no_gather:
-                        cfg["gather"] = bench_gather(tb, nproc=nproc, numel=a.numel, warmup=a.gather_warmup,
-                                                     steps=a.gather_steps, timeout=a.timeout, work=work)
-                        g = cfg["gather"]
-                        print(f"   gather plain {g['plain_ms']:.1f} ms; " + "; ".join(
+                    for k in ([] if a.no_gather else a.gather_buckets):
+                        with locked(a.lock):
+                            g = bench_gather(tb, nproc=nproc, numel=a.numel, warmup=a.gather_warmup,
+                                             steps=a.gather_steps, timeout=a.timeout, work=work, buckets=k)
+                        cfg["load_avg"].append(os.getloadavg()[0])
+                        cfg.setdefault("gathers", []).append(g)
+                        cfg["gather"] = cfg["gathers"][0]  # the simulator's codec speeds: the first
+                        print(f"   gather x{k} plain {g['plain_ms']:.1f} ms; " + "; ".join(
                             f"{m} {s['ms']:.1f} ms ({s['codec']})" for m, s in g["modes"].items()), flush=True)
                     for gather_mode in a.train_gather:
                         runs: dict[str, list[dict]] = {m: [] for m in a.train_modes}
@@ -238,15 +281,17 @@ def main(argv=None) -> int:
                             k = rep % max(1, len(a.train_modes))
                             for mode in a.train_modes[k:] + a.train_modes[:k]:
                                 t0 = time.monotonic()
-                                r = bench_train(tb, nproc=nproc, flags=flags, mode=mode,
-                                                overlap=gather_mode == "overlap", timeout=a.timeout, work=work)
+                                with locked(a.lock):
+                                    r = bench_train(tb, nproc=nproc, flags=flags, mode=mode,
+                                                    overlap=gather_mode == "overlap", timeout=a.timeout, work=work)
+                                cfg["load_avg"].append(os.getloadavg()[0])
                                 runs[mode].append(r)
                                 print(f"   train {gather_mode:<7} {mode:<15} {_fmt(r['ms'])} ms/iter "
                                       f"({time.monotonic() - t0:.0f} s)", flush=True)
                         for mode in a.train_modes:
                             cfg["train"].append(_merge(runs[mode]))
                 cfg["model"] = {"hidden": a.hidden, "layers": a.layers, "experts": a.experts, "seq": a.seq, "dp": dp,
-                                "iters": a.iters}
+                                "iters": a.iters, "bucket_size": a.bucket_size}
                 try:
                     cfg["sim"] = simulate(cfg)
                 except Exception as e:  # the measurement stands without the simulator's column

@@ -123,9 +123,18 @@ class TestbedConfig:
     name: str | None = None
     """Namespace prefix (``ctb<hex>``); None: random, so concurrent testbeds never collide."""
 
+    autogroup_nice: int | None = None
+    """Scheduler priority of each host's session (``/proc/self/autogroup``, -20..19), or None to
+    leave it. Every host command runs in its own session, and with autogroup scheduling
+    (``/proc/sys/kernel/sched_autogroup_enabled``) sessions share the CPU equally whatever their
+    processes' ``nice``: a timing run sets this so that work elsewhere at ``nice 19`` yields to it
+    as ``nice`` intends. Negative values need root (the testbed needs it anyway)."""
+
     def __post_init__(self):
         if self.hosts < 1 or self.hosts > 200:
             raise ValueError(f"TestbedConfig: hosts={self.hosts} must be in [1, 200]")
+        if self.autogroup_nice is not None and not -20 <= self.autogroup_nice <= 19:
+            raise ValueError(f"TestbedConfig: autogroup_nice={self.autogroup_nice} must be in [-20, 19]")
         if self.topology not in TOPOLOGIES:
             raise ValueError(f"TestbedConfig: topology={self.topology!r} must be one of {TOPOLOGIES}")
         if self.topology == "pair" and self.hosts != 2:
@@ -330,6 +339,8 @@ class Testbed:
     def env(self, i: int, base: dict | None = None) -> dict:
         """Environment for a command on host i: the rendezvous address and gloo's interface."""
         env = dict(os.environ if base is None else base)
+        if self.config.autogroup_nice is not None:
+            env["TESTBED_AUTOGROUP_NICE"] = str(self.config.autogroup_nice)
         env.update(TESTBED_HOST=str(i), TESTBED_HOSTS=str(self.hosts), TESTBED_ADDR=self.addr(i),
                    TESTBED_MASTER_ADDR=self.addr(0), GLOO_SOCKET_IFNAME=HOST_IFACE,
                    TP_SOCKET_IFNAME=HOST_IFACE)
@@ -338,8 +349,10 @@ class Testbed:
     def wrap(self, i: int, cmd: Sequence[str]) -> list[str]:
         """``cmd`` inside host i: its network namespace, and a UTS namespace whose hostname is
         :meth:`hostname` (SLURM checks it; gloo resolves it to the host's own address)."""
+        prio = "" if self.config.autogroup_nice is None else (
+            f"echo {int(self.config.autogroup_nice)} > /proc/self/autogroup 2>/dev/null; ")
         return ["ip", "netns", "exec", self.host_ns(i), "unshare", "--uts", "sh", "-c",
-                'hostname "$0" && exec "$@"', self.hostname(i), *cmd]
+                prio + 'hostname "$0" && exec "$@"', self.hostname(i), *cmd]
 
     def popen(self, i: int, cmd: Sequence[str], *, env: dict | None = None, **kw) -> subprocess.Popen:
         """Start ``cmd`` inside host i (:meth:`wrap`), in its own process group."""

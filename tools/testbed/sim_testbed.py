@@ -24,7 +24,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ciera.cost_model import CodecEstimate, CodecSpeed, LinkModel, TwoLevelLink, predict_compressed, predict_raw
+from ciera.cost_model import (
+    CodecEstimate, CodecSpeed, LinkModel, TwoLevelLink, agreement_time, predict_compressed, predict_raw,
+)
 
 LOOPBACK_BYTES_PER_S = 2e9
 """Ranks on one host exchange through loopback TCP; far faster than any shaped link here."""
@@ -97,10 +99,21 @@ def probe_latency(tb, *, rounds: int = 200, port: int = 29503, timeout: float = 
     return float(res.stdout.strip())
 
 
-def link_for(cfg: dict) -> TwoLevelLink:
-    """gloo's all-gather is one flat ring over every rank (ranks fill hosts in order), each step
-    paced by the host link, which carries data both ways at once: the duplex probe's rate when
-    measured (``link_duplex_bytes_per_s``), else the one-way stream's."""
+def link_for(cfg: dict) -> LinkModel | TwoLevelLink:
+    """The link the predictions use.
+
+    Preferred: gloo's own all-gather fitted at smaller sizes than the timed gathers
+    (``gather.gloo_link``, :func:`ciera.cost_model.measure_link`, what ``auto`` measures at run
+    time): a flat ring of ``world - 1`` steps whose per-byte cost includes what TCP probes miss
+    (gloo moves one stream per peer in chunks and pays its own copies; on this testbed a single
+    gloo gather reaches ~65-75% of the TCP probe's rate).
+
+    Otherwise, from the TCP probes: gloo's all-gather is one flat ring over every rank (ranks fill
+    hosts in order), each step paced by the host link, which carries data both ways at once: the
+    duplex probe's rate when measured (``link_duplex_bytes_per_s``), else the one-way stream's."""
+    fit = (cfg.get("gather") or {}).get("gloo_link")
+    if fit:
+        return LinkModel(fit["bandwidth_bytes_per_s"], fit["latency_s"])
     bw = cfg.get("link_duplex_bytes_per_s") or cfg["link_probe_bytes_per_s"]
     return TwoLevelLink(intra=LinkModel(LOOPBACK_BYTES_PER_S), inter=LinkModel(bw, cfg.get("link_latency_s", 0.0)),
                         gpus_per_node=cfg["nproc"], nics_per_node=1, algorithm="ring")
@@ -113,7 +126,12 @@ def codec_speed(*, shard_bytes: float, world: int, encode_ms: float, decode_ms: 
 
 
 def predict(cfg: dict) -> dict:
-    """Predicted gather and synchronous-training times (ms) for one bench_cluster configuration."""
+    """Predicted gather and training times (ms) for one bench_cluster configuration.
+
+    Training (synchronous and overlapped alike): the measured baseline minus the predicted plain
+    gathers of one iteration plus the predicted CIERA gathers of the same bytes (encode, link,
+    decode in series: the serial timeline, ``overlap_comm=False`` in ``tools/sim/timeline.py``);
+    ``auto`` is predicted with the codec its gather benchmark ended with."""
     out: dict = {"gather": {}, "train": {}}
     if "link_probe_bytes_per_s" not in cfg:
         return out
@@ -133,23 +151,52 @@ def predict(cfg: dict) -> dict:
             speeds[name] = codec_speed(shard_bytes=shard, world=world, encode_ms=s["encode_ms"],
                                        decode_ms=s["decode_ms"])
             est = CodecEstimate(name, wire_ratio=s["wire_bytes"] / s["raw_bytes"], speed=speeds[name])
-            out["gather"][m] = predict_compressed(raw_bytes_per_rank=shard, world=world, link=link,
-                                                  estimate=est).total_s * 1e3
+            out["gather"][m] = predict_compressed(  # + the size agreement, as auto charges it
+                raw_bytes_per_rank=shard, world=world, link=link, estimate=est,
+                agreement_s=agreement_time(link=link, world=world)).total_s * 1e3
     world = cfg["hosts"] * cfg["nproc"]
     gathers = cfg.get("model", {}).get("iters", 0) + 1
     for t in cfg.get("train", []):
         base = next((b for b in cfg["train"] if b["mode"] == "baseline" and b["overlap"] == t["overlap"]), None)
-        if t["overlap"] or not base or not base["ms"]:
+        if not base or not base["ms"]:
             continue
-        key = f"{t['mode']}:sync"
+        key = f"{t['mode']}:{'overlap' if t['overlap'] else 'sync'}"
         if t["mode"] == "baseline" or not t["raw_mb"] or t["wire_mb"] >= t["raw_mb"]:
             out["train"][key] = base["ms"]  # nothing compressed: the baseline's gathers
             continue
-        if t["mode"] not in speeds:
+        name = t["mode"] if t["mode"] in speeds else (g["modes"].get("auto", {}).get("codec") if g else None)
+        if name not in speeds:
             continue
         shard = t["raw_mb"] * 1e6 / gathers / world  # each rank's bytes of one iteration's buckets
         raw_s = predict_raw(raw_bytes_per_rank=shard, world=world, link=link).total_s
-        est = CodecEstimate(t["mode"], wire_ratio=t["wire_mb"] / t["raw_mb"], speed=speeds[t["mode"]])
-        c_s = predict_compressed(raw_bytes_per_rank=shard, world=world, link=link, estimate=est).total_s
+        est = CodecEstimate(name, wire_ratio=t["wire_mb"] / t["raw_mb"], speed=speeds[name])
+        buckets = cfg.get("train_buckets", 1)  # one agreement per step, shared by the buckets
+        c_s = predict_compressed(raw_bytes_per_rank=shard, world=world, link=link, estimate=est,
+                                 agreement_s=agreement_time(link=link, world=world, buckets=buckets) * buckets).total_s
         out["train"][key] = base["ms"] + (c_s - raw_s) * 1e3
     return out
+
+
+def iteration_bytes_per_rank(cfg: dict) -> float | None:
+    """Raw bytes of one iteration's param buckets per rank (from any CIERA run's byte count)."""
+    world = cfg["hosts"] * cfg["nproc"]
+    gathers = cfg.get("model", {}).get("iters", 0) + 1
+    mb = next((t["raw_mb"] for t in cfg.get("train", []) if t.get("raw_mb")), None)
+    return None if mb is None else mb * 1e6 / gathers / world
+
+
+def predict_baseline(cfg: dict, ref: dict, *, overlap: bool) -> float | None:
+    """Megatron's iteration time at ``cfg``'s link predicted from its time at ``ref``'s (same layout
+    and model, another rate): ``ref`` + the change in the param all-gather's and the grad
+    reduce-scatter's predicted times (equal bytes here: bf16 grads; the ring reduce-scatter moves
+    what the all-gather does), each on its own configuration's measured gloo link."""
+    base = next((b["ms"] for b in ref.get("train", []) if b["mode"] == "baseline" and b["overlap"] == overlap), None)
+    shard = iteration_bytes_per_rank(ref) or iteration_bytes_per_rank(cfg)
+    if base is None or shard is None or not cfg.get("gather") or not ref.get("gather"):
+        return None
+    world = cfg["hosts"] * cfg["nproc"]
+
+    def comm(c):
+        return 2 * predict_raw(raw_bytes_per_rank=shard, world=world, link=link_for(c)).total_s * 1e3
+
+    return base + comm(cfg) - comm(ref)

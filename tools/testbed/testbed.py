@@ -58,7 +58,11 @@ def _subst(words: list[str], tb: Testbed, i: int) -> list[str]:
 
 def torchrun_command(tb: Testbed, i: int, *, nproc_per_node: int, port: int, script: list[str],
                      python: str = sys.executable) -> list[str]:
-    """torchrun for host i: c10d rendezvous on host 0's address (the elastic agent's own store)."""
+    """torchrun for host i: c10d rendezvous on host 0's address (the elastic agent's own store).
+    With the testbed's ``autogroup_nice`` set, each worker first takes that priority
+    (``autogroup_exec.py``: torchrun gives every worker a session of its own)."""
+    if tb.config.autogroup_nice is not None:
+        script = [str(Path(__file__).with_name("autogroup_exec.py")), *script]
     return [python, "-m", "torch.distributed.run", "--nnodes", str(tb.hosts), "--node-rank", str(i),
             "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"{tb.addr(0)}:{port}", "--rdzv-id", tb.name, "--max-restarts", "0",
