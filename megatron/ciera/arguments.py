@@ -266,6 +266,9 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None, *, de
 
     if args.bf16 and args.fp16:
         err("--bf16 and --fp16 are mutually exclusive")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        err("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are exclusive "
+            "(which schedule wins on load: the command line's or the checkpoint's)")
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         err("--overlap-param-gather requires --use-distributed-optimizer")
     if args.overlap_param_gather and not args.overlap_grad_reduce:

@@ -226,4 +226,8 @@ def scheduler(args, optimizer):
         end_wd=args.end_weight_decay,
         wd_incr_steps=args.wd_incr_steps,
         wd_incr_style=args.weight_decay_incr_style,
+        # On load: upstream's check that the command line's schedule matches the checkpoint's,
+        # unless one of these says which one wins.
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
     )

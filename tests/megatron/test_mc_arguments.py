@@ -102,6 +102,30 @@ def test_errors_name_the_flags_and_numbers(extra, world, needle):
     assert needle in error(extra, world)
 
 
+def test_scheduler_on_load_follows_upstreams_flags():
+    """The LR schedule of a checkpoint against the command line's, by megatron-core's scheduler:
+    by default they must match; --use-checkpoint-opt-param-scheduler takes the checkpoint's,
+    --override-opt-param-scheduler the command line's."""
+    from types import SimpleNamespace
+
+    from megatron.ciera import model
+
+    def scheduler(*extra):
+        return model.scheduler(parse(["--global-batch-size", "8", *extra], world=2),
+                               SimpleNamespace(param_groups=[{"params": []}]))
+
+    saved = scheduler("--lr", "1e-4").state_dict()
+    with pytest.raises(AssertionError, match="do not match"):
+        scheduler("--lr", "2e-4").load_state_dict(saved)
+    kept = scheduler("--lr", "2e-4", "--use-checkpoint-opt-param-scheduler")
+    kept.load_state_dict(saved)
+    assert kept.max_lr == 1e-4
+    override = scheduler("--lr", "2e-4", "--override-opt-param-scheduler")
+    override.load_state_dict(saved)
+    assert override.max_lr == 2e-4
+    assert "are exclusive" in error(["--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"])
+
+
 def test_local_context_parallel_reports_or_refuses_another_cp_comm_type():
     """Without TE, CP runs megatron.ciera.cp_attention (all-gather-KV): upstream's default
     --cp-comm-type p2p is a TE kernel choice, reported on CPU and refused on a GPU."""
