@@ -1,37 +1,27 @@
 """megatron.ciera.cp_attention: the context-parallel local attention equals upstream's attention
 over the whole sequence.
 
-Pure layout functions against megatron-core's own ``get_batch_on_this_cp_rank`` (CP 1-4), then
-the module on 2 gloo ranks against upstream's ``DotProductAttention`` on the full sequence:
-output, and the gradients of Q, K and V (the reduce-scatter of the gathered K/V), with GQA.
+The layout functions for CP 1-4, then on 2 gloo ranks: megatron-core's own batch slicing gives
+each rank the positions they assume, and the module equals upstream's ``DotProductAttention`` on
+the full sequence: output, and the gradients of Q, K and V (the reduce-scatter of the gathered
+K/V), with GQA.
 """
-
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from megatron.ciera import cp_attention
-from megatron.core.utils import get_batch_on_this_cp_rank
-
-
-def _local(tensor, *, cp_rank, cp_size, monkeypatch):
-    """What megatron-core's batch slicing gives CP rank ``cp_rank`` of a [b, s, ...] tensor (its
-    group size/rank helpers answer for a group of ``cp_size`` without a process group)."""
-    from megatron.core import utils
-
-    group = SimpleNamespace(size=lambda: cp_size, rank=lambda: cp_rank)
-    monkeypatch.setattr(utils, "get_pg_size", lambda g=None: g.size())
-    monkeypatch.setattr(utils, "get_pg_rank", lambda g=None: g.rank())
-    return get_batch_on_this_cp_rank({"tokens": tensor.clone()}, cp_group=group)["tokens"]
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
-def test_layout_functions_follow_megatron_cores_batch_slicing(cp, monkeypatch):
+def test_layout_functions_invert_the_load_balanced_chunks(cp):
+    """Rank r holds chunks r and 2cp-1-r (megatron-core's layout; checked against its own slicing
+    on real CP ranks below): positions, the causal mask rows, and the gathered K/V put back in
+    sequence order."""
     chunk = 3
     seq = torch.arange(2 * cp * chunk)
-    locals_ = [_local(seq.view(1, -1), cp_rank=r, cp_size=cp, monkeypatch=monkeypatch).view(-1) for r in range(cp)]
-    assert cp == 1 or not torch.equal(locals_[0], seq[: 2 * chunk])  # the load-balanced layout, not a split
+    pieces = seq.view(2 * cp, chunk)
+    locals_ = [torch.cat([pieces[r], pieces[2 * cp - 1 - r]]) for r in range(cp)]
     for r, local in enumerate(locals_):
         assert torch.equal(cp_attention.query_positions(chunk=chunk, cp_rank=r, cp_size=cp), local)
         full = torch.ones(seq.numel(), seq.numel(), dtype=torch.bool).triu(1)
@@ -73,6 +63,9 @@ def _attention_on_rank(rank, world):
 
         mine = cp_attention.ContextParallelDotProductAttention(config, 1, AttnMaskType.causal, "self")
         pos = cp_attention.query_positions(chunk=seq // (2 * world), cp_rank=rank, cp_size=world)
+        # megatron-core's own batch slicing ([b, s] layout) gives this rank the same positions
+        sliced = cp_attention.batch_on_this_cp_rank({"tokens": torch.arange(seq).view(1, seq)})["tokens"]
+        assert torch.equal(sliced.view(-1), pos), (sliced, pos)
         lq, lk, lv = (t[pos].clone().requires_grad_() for t in (q, k, v))
         out = mine(lq, lk, lv, None)
         out.backward(grad_out[pos])
