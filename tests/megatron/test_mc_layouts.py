@@ -44,8 +44,6 @@ LAYOUTS = {  # name: (flags, ranks)
     "cp2": (["--context-parallel-size", "2", "--num-layers", "2"], 4),
     "cp2_ep2": (["--context-parallel-size", "2", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size",
                  "1", *OVERLAP], 4),
-    "tp2_cp2_8": (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2",
-                   "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"], 8),
 }
 DEFAULT = {"tp2_ep2", "cp2"}
 
