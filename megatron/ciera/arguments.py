@@ -260,15 +260,15 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None, *, de
         except ImportError:
             err("--moe-token-dispatcher-type flex needs DeepEP (the deep_ep package) on GPU; "
                 "use alltoall or install DeepEP")
-    if args.context_parallel_size > 1 and args.transformer_impl != "transformer_engine":
-        err(f"--context-parallel-size {args.context_parallel_size} needs transformer-engine's attention "
-            "(Megatron-Core's local attention has no context parallelism)"
-            + ("; on CPU it cannot run" if args.device == "cpu" else ""))
+    _check_local_context_parallel(args, err)
     if args.moe_token_dispatcher_type == "flex" and args.device == "cpu":
         err("--moe-token-dispatcher-type flex needs DeepEP on GPU; on CPU use alltoall")
 
     if args.bf16 and args.fp16:
         err("--bf16 and --fp16 are mutually exclusive")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        err("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are exclusive "
+            "(which schedule wins on load: the command line's or the checkpoint's)")
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         err("--overlap-param-gather requires --use-distributed-optimizer")
     if args.overlap_param_gather and not args.overlap_grad_reduce:
@@ -321,6 +321,27 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None, *, de
     if errors:
         raise ValueError("invalid arguments:\n  " + "\n  ".join(errors))
     return args
+
+
+def _check_local_context_parallel(args, err) -> None:
+    """CP > 1 without transformer-engine runs :mod:`megatron.ciera.cp_attention` (all-gather-KV):
+    what it does not cover is refused by name; another ``--cp-comm-type`` (a TE kernel choice)
+    is reported on CPU and refused on GPU, where TE would honour it."""
+    cp = args.context_parallel_size
+    if cp == 1 or args.transformer_impl == "transformer_engine":
+        return
+    for dest in ("multi_latent_attention", "window_size"):
+        if getattr(args, dest, None):
+            err(f"{_option(dest)} with --context-parallel-size {cp} needs transformer-engine's attention "
+                "(the local context-parallel attention covers standard causal attention)")
+    comm = args.cp_comm_type if isinstance(args.cp_comm_type, list) else [args.cp_comm_type]
+    if any(c != "all_gather" for c in comm):
+        shown = f"--cp-comm-type {' '.join(map(str, comm))}"
+        if args.device == "cpu":
+            args.cpu_ignored.append(f"{shown} (the local context-parallel attention all-gathers K/V)")
+        else:
+            err(f"{shown}: --transformer-impl local's context-parallel attention all-gathers K/V; "
+                "pass --cp-comm-type all_gather, or use transformer-engine for the others")
 
 
 def _check_layout(args, world: int, err) -> None:

@@ -2,8 +2,8 @@
 
 Megatron-Core assumes a GPU in a handful of places (see ``shared/reference/megatron-core-notes``):
 buffers allocated on ``torch.cuda.current_device()``, ``device='cuda'`` tensors in the optimizer,
-a type check that wants ``torch.cuda.*Tensor`` names, CUDA streams and events around the
-collectives, the CUDA RNG state in the tensor-parallel RNG tracker, and two collectives gloo
+pinned host staging tensors, a type check that wants ``torch.cuda.*Tensor`` names, CUDA streams
+and events around the collectives, the CUDA RNG state in the tensor-parallel RNG tracker, and two collectives gloo
 lacks (uneven list ``all_gather``, list ``reduce_scatter``: MoE token exchange under TP). :func:`enable` redirects
 exactly those to the CPU so that DDP + the distributed optimizer + GPTModel (local spec) run on
 gloo ranks; nothing else is changed.
@@ -45,7 +45,8 @@ def _is_cuda_device(device) -> bool:
 
 
 class _CpuDeviceMode(TorchFunctionMode):
-    """Rewrites CUDA device arguments to the CPU and reports CUDA type names for CPU tensors."""
+    """Rewrites CUDA device arguments to the CPU, drops ``pin_memory`` (no pinned allocator without
+    an accelerator) and reports CUDA type names for CPU tensors."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -57,6 +58,8 @@ class _CpuDeviceMode(TorchFunctionMode):
                 return name
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs = dict(kwargs, device="cpu")
+        if kwargs.get("pin_memory"):  # staging for a host-to-GPU copy (RoPE under CP): nothing to pin
+            kwargs = dict(kwargs, pin_memory=False)
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu") + tuple(args[2:])
         return func(*args, **kwargs)

@@ -29,6 +29,22 @@ TOKENIZERS = ("NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer")
 """The ``--tokenizer-type`` values :func:`build_tokenizer` builds."""
 
 
+def _gpt2_bpe(cls, vocab_file: str, merge_file: str):
+    """``cls`` (GPT2TokenizerFast) from the two files. transformers < 5 takes the paths
+    (``vocab_file`` / ``merges_file``); 5.x takes the contents (``vocab`` / ``merges``) and
+    silently ignores the old keywords, which would leave a one-token vocabulary."""
+    import inspect
+    import json
+
+    if "vocab_file" in inspect.signature(cls.__init__).parameters:
+        return cls(vocab_file=vocab_file, merges_file=merge_file)
+    with open(vocab_file, encoding="utf-8") as f:
+        vocab = json.load(f)
+    with open(merge_file, encoding="utf-8") as f:
+        merges = [tuple(line.split()) for line in f.read().splitlines() if line and not line.startswith("#version")]
+    return cls(vocab=vocab, merges=merges)
+
+
 class _HFTokenizer:
     """The few members Megatron-Core's GPT datasets use, over a Hugging Face tokenizer."""
 
@@ -40,7 +56,7 @@ class _HFTokenizer:
             raise SystemExit(f"--tokenizer-type {kind} needs the 'transformers' package "
                              "(pip install transformers); with --mock-data use NullTokenizer") from None
         if vocab_file:  # GPT-2's byte-level BPE from vocab.json + merges.txt, as Megatron-LM's GPT2BPETokenizer
-            self._tok = GPT2TokenizerFast(vocab_file=vocab_file, merges_file=merge_file)
+            self._tok = _gpt2_bpe(GPT2TokenizerFast, vocab_file, merge_file)
         else:
             self._tok = AutoTokenizer.from_pretrained(name)
         self._name, self._kind = name, kind

@@ -57,7 +57,7 @@ _HONOURED = {
     "lr_decay_iters", "lr_decay_samples", "lr_warmup_iters", "lr_warmup_samples", "lr_warmup_fraction",
     "lr_warmup_init", "start_weight_decay", "end_weight_decay", "weight_decay_incr_style", "seed",
     "mock_data", "distributed_backend",
-    "distributed_timeout_minutes", "num_layers_per_virtual_pipeline_stage",
+    "distributed_timeout_minutes", "num_layers_per_virtual_pipeline_stage", "override_opt_param_scheduler",
     "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
     "decoder_last_pipeline_num_layers", "exit_interval", "exit_duration_in_mins", "use_cpu_initialization",
     "deterministic_mode", "no_persist_layer_norm", "overlap_p2p_comm", "fp8_param_gather", "bf16", "fp16",
@@ -138,19 +138,27 @@ def _feature_honoured() -> frozenset:
     from .feature_args import HONOURED_FLAGS
 
     return frozenset(HONOURED_FLAGS) | {"tokenizer_type", "tokenizer_model", "vocab_file", "merge_file",
-                                        "logging_level"} | set(_CHECKPOINT_AS_UPSTREAM)
+                                        "logging_level"} | set(_CHECKPOINT_AS_UPSTREAM) | set(_CHECKPOINT_HONOURED)
 
 
-# Checkpoint flags whose effect this entry point always has: the loaded and saved values are the
-# same with or without them (they pick megatron-core dist_checkpointing I/O strategies, or ask for
-# what checkpointing always does here).
+# Checkpoint flags that only pick how megatron-core's dist_checkpointing moves bytes (reviewed
+# against upstream's meaning): any value saves and loads the same tensors in the same files, so
+# they are accepted at any value and the table says why.
 _CHECKPOINT_AS_UPSTREAM = {
-    "use_checkpoint_opt_param_scheduler": "the LR scheduler state is always restored from the checkpoint",
-    "dist_ckpt_optim_fully_reshardable": "the distributed optimizer is always saved fully reshardable",
-    "ckpt_fully_parallel_load": "a load strategy: the loaded values do not depend on it",
-    "ckpt_fully_parallel_save": "a save strategy: the saved values do not depend on it",
-    "ckpt_fully_parallel_save_deprecated": "upstream's deprecated flag for the default save strategy",
-    "ckpt_assume_constant_structure": "a caching strategy: the saved values do not depend on it",
+    "dist_ckpt_optim_fully_reshardable": "the distributed optimizer is saved fully reshardable at any value (upstream's "
+                                         "default writes dp_reshardable; both load, with the same values)",
+    "ckpt_fully_parallel_load": "a load strategy (each rank reads a share, then exchanges): the loaded values "
+                                "do not depend on it",
+    "ckpt_fully_parallel_save": "a save strategy (replicas split the writing): the saved tensors and files do "
+                                "not depend on it; megatron-core's default strategy writes them",
+    "ckpt_fully_parallel_save_deprecated": "upstream's deprecated spelling of the default save strategy",
+    "ckpt_assume_constant_structure": "a save-plan cache: the saved values do not depend on it",
+}
+
+# Checkpoint-family flags passed to megatron-core itself.
+_CHECKPOINT_HONOURED = {
+    "use_checkpoint_opt_param_scheduler": "passed to megatron-core's OptimizerParamScheduler: the checkpoint's "
+                                          "schedule wins (default: the command line's must match it)",
 }
 
 
@@ -166,7 +174,7 @@ def policy(dest: str) -> Policy:
     for name, pattern in _FEATURE_PATTERNS:
         if re.fullmatch(pattern, dest):
             if dest in _feature_honoured():
-                return _feature(name, _CHECKPOINT_AS_UPSTREAM.get(dest, ""))
+                return _feature(name, _CHECKPOINT_AS_UPSTREAM.get(dest, _CHECKPOINT_HONOURED.get(dest, "")))
             return Policy(REJECTED, f"not implemented by the {name} feature of this pretrain_gpt.py")
     if dest in _HONOURED or dest in _config_fields():
         return _H

@@ -123,18 +123,18 @@ class _TorchNorm:
         return norm
 
 
-def _replace_norm(spec, old, new):
-    """Swap the norm class ``old`` for ``new`` everywhere in a (block or layer) spec, in place."""
+def _replace_module(spec, old, new):
+    """Swap the module class ``old`` for ``new`` everywhere in a (block or layer) spec, in place."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     if isinstance(spec, (list, tuple)):
         for item in spec:
-            _replace_norm(item, old, new)
+            _replace_module(item, old, new)
         return
     if isinstance(spec, ModuleSpec):
         if spec.module is old:
             spec.module = new
-        _replace_norm(spec.submodules, old, new)
+        _replace_module(spec.submodules, old, new)
         return
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
         for f in dataclasses.fields(spec):
@@ -142,12 +142,13 @@ def _replace_norm(spec, old, new):
             if value is old:
                 setattr(spec, f.name, new)
             else:
-                _replace_norm(value, old, new)
+                _replace_module(value, old, new)
 
 
 def layer_spec(args, config, vp_stage: int | None = None):
     """The decoder block spec Megatron-LM's pretrain_gpt.py would pick for this run (TE or local;
-    dense and MoE layers per ``--moe-layer-freq``)."""
+    dense and MoE layers per ``--moe-layer-freq``). The local spec gets sequence-parallel capable
+    norms and, with context parallelism, :mod:`megatron.ciera.cp_attention`'s core attention."""
     import copy
 
     from megatron.core.models.gpt import gpt_layer_specs as specs
@@ -158,7 +159,13 @@ def layer_spec(args, config, vp_stage: int | None = None):
                                             vp_stage=vp_stage)
     if not use_te:
         spec = copy.deepcopy(spec)
-        _replace_norm(spec, WrappedTorchNorm, _TorchNorm)
+        _replace_module(spec, WrappedTorchNorm, _TorchNorm)
+        if config.context_parallel_size > 1:  # upstream's local attention has no CP: the all-gather-KV form
+            from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+            from .cp_attention import ContextParallelDotProductAttention
+
+            _replace_module(spec, DotProductAttention, ContextParallelDotProductAttention)
     return spec
 
 
@@ -219,4 +226,8 @@ def scheduler(args, optimizer):
         end_wd=args.end_weight_decay,
         wd_incr_steps=args.wd_incr_steps,
         wd_incr_style=args.weight_decay_incr_style,
+        # On load: upstream's check that the command line's schedule matches the checkpoint's,
+        # unless one of these says which one wins.
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
     )

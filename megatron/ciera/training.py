@@ -92,9 +92,9 @@ def _forward_step(data_iterator, model):
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     batch = {k: v.to(device) for k, v in batch.items()}
     if parallel_state.get_context_parallel_world_size() > 1:  # this rank's sequence chunks
-        from megatron.core.utils import get_batch_on_this_cp_rank
+        from .cp_attention import batch_on_this_cp_rank
 
-        batch = get_batch_on_this_cp_rank(batch)
+        batch = batch_on_this_cp_rank(batch)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, partial(_loss_func, batch["loss_mask"])
 

@@ -87,7 +87,8 @@ def test_ciera_tuning_flags_without_ciera_allgather_are_inert():
     (["--relative-attention-num-buckets", "16"], 1, "--relative-attention-num-buckets: not implemented by this pretrain_gpt.py"),
     (["--distributed-timeout-minutes", "0"], 1, "--distributed-timeout-minutes 0 must be > 0"),
     (["--moe-token-dispatcher-type", "flex", "--num-experts", "4"], 1, "--moe-token-dispatcher-type flex needs DeepEP"),
-    (["--context-parallel-size", "2"], 2, "--context-parallel-size 2 needs transformer-engine's attention"),
+    (["--context-parallel-size", "2", "--multi-latent-attention"], 2,
+     "--multi-latent-attention with --context-parallel-size 2 needs transformer-engine's attention"),
     (["--lr-warmup-samples", "10"], 1, "--lr-decay-samples / --lr-warmup-samples go with --train-samples"),
     (["--num-experts", "3", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"], 2,
      "--num-experts 3 is not divisible by --expert-model-parallel-size 2"),
@@ -99,6 +100,44 @@ def test_ciera_tuning_flags_without_ciera_allgather_are_inert():
 ])
 def test_errors_name_the_flags_and_numbers(extra, world, needle):
     assert needle in error(extra, world)
+
+
+def test_scheduler_on_load_follows_upstreams_flags():
+    """The LR schedule of a checkpoint against the command line's, by megatron-core's scheduler:
+    by default they must match; --use-checkpoint-opt-param-scheduler takes the checkpoint's,
+    --override-opt-param-scheduler the command line's."""
+    from types import SimpleNamespace
+
+    from megatron.ciera import model
+
+    def scheduler(*extra):
+        return model.scheduler(parse(["--global-batch-size", "8", *extra], world=2),
+                               SimpleNamespace(param_groups=[{"params": []}]))
+
+    saved = scheduler("--lr", "1e-4").state_dict()
+    with pytest.raises(AssertionError, match="do not match"):
+        scheduler("--lr", "2e-4").load_state_dict(saved)
+    kept = scheduler("--lr", "2e-4", "--use-checkpoint-opt-param-scheduler")
+    kept.load_state_dict(saved)
+    assert kept.max_lr == 1e-4
+    override = scheduler("--lr", "2e-4", "--override-opt-param-scheduler")
+    override.load_state_dict(saved)
+    assert override.max_lr == 2e-4
+    assert "are exclusive" in error(["--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"])
+
+
+def test_local_context_parallel_reports_or_refuses_another_cp_comm_type():
+    """Without TE, CP runs megatron.ciera.cp_attention (all-gather-KV): upstream's default
+    --cp-comm-type p2p is a TE kernel choice, reported on CPU and refused on a GPU."""
+    args = parse(["--context-parallel-size", "2", "--device", "cpu"], world=2)
+    assert args.cpu_ignored == ["--cp-comm-type p2p (the local context-parallel attention all-gathers K/V)"]
+    assert parse(["--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--device", "cpu"],
+                 world=2).cpu_ignored == []
+    assert "--cp-comm-type p2p: --transformer-impl local's context-parallel attention all-gathers K/V" in error(
+        ["--context-parallel-size", "2", "--transformer-impl", "local"], 2, device="cuda", te_available=False)
+    gpu = parse(["--context-parallel-size", "2", "--transformer-impl", "local", "--cp-comm-type", "all_gather"],
+                world=2, device="cuda", te_available=False)
+    assert gpu.context_parallel_size == 2 and gpu.data_parallel_size == 1
 
 
 def test_every_upstream_flag_is_recognised_with_upstream_defaults():

@@ -1,6 +1,8 @@
 """megatron.ciera.bucket_group without processes: the dispatch on Megatron-Core's real bucket group
-class (0.16.x shape), a 0.19.x-shaped variant, fallbacks, invalidation and uninstall."""
+class (as installed: 0.16.x or 0.19.x), a 0.19.x-shaped variant, fallbacks, invalidation and uninstall."""
 
+import inspect
+import typing
 from types import SimpleNamespace
 
 import pytest
@@ -9,6 +11,20 @@ import torch
 from megatron.ciera import bucket_group as binding
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucket, _ParamAndGradBucketGroup
+
+
+def _bucket(**given):
+    """A real ``_ParamAndGradBucket`` from the fields every version takes; any further required
+    constructor argument of the installed megatron-core (0.19.x adds ``param_index_map`` and
+    ``params_with_extra_main_grads``) gets an empty value of its annotated container type, read
+    from the constructor's own signature."""
+    for name, p in inspect.signature(_ParamAndGradBucket.__init__).parameters.items():
+        if name == "self" or name in given or p.default is not inspect.Parameter.empty:
+            continue
+        origin = typing.get_origin(p.annotation) or p.annotation
+        assert origin in (dict, list), f"_ParamAndGradBucket takes {name}: {p.annotation}; teach _bucket it"
+        given[name] = origin()
+    return _ParamAndGradBucket(**given)
 
 
 class FakeGroup:
@@ -59,7 +75,7 @@ class FakeGather:
 def make_group(overlap=False, n_buckets=2, dtype=torch.bfloat16, cls=_ParamAndGradBucketGroup, **ddp_kw):
     cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=overlap,
                                         overlap_param_gather=overlap, **ddp_kw)
-    buckets = [_ParamAndGradBucket(params=[], param_data=torch.zeros(8, dtype=dtype), grad_data=torch.zeros(8),
+    buckets = [_bucket(params=[], param_data=torch.zeros(8, dtype=dtype), grad_data=torch.zeros(8),
                                    offset=8 * i, numel_unpadded=8, gradient_scaling_factor=1.0, bucket_id=i)
                for i in range(n_buckets)]
     return cls(buckets, cfg, FakeGroup(), 2)
@@ -81,8 +97,13 @@ def clear_log():
     FakeGather.log = []
 
 
+#: Whether the installed megatron-core's bucket group has 0.19.x's ``_post_param_sync``.
+INSTALLED_HAS_POST_SYNC = hasattr(_ParamAndGradBucketGroup, "_post_param_sync")
+
+
 def test_upstream_post_sync_isolates_the_version_difference():
-    assert binding.upstream_post_sync(make_group()) is None  # 0.16.x
+    real = binding.upstream_post_sync(make_group())
+    assert (real is not None) == INSTALLED_HAS_POST_SYNC  # None on 0.16.x, the method on 0.19.x
     group = make_group(cls=Group019)
     binding.upstream_post_sync(group)()
     assert group.post_syncs == 1
@@ -105,7 +126,7 @@ def test_synchronous_gather_starts_and_waits_every_bucket():
     assert [e for e in FakeGather.log if e[0] == "init"] == [("init", "dense0.bucket0"), ("init", "dense0.bucket1")]
 
 
-@pytest.mark.parametrize("cls", [_ParamAndGradBucketGroup, Group019], ids=["0.16", "0.19-shaped"])
+@pytest.mark.parametrize("cls", [_ParamAndGradBucketGroup, Group019], ids=["installed", "0.19-shaped"])
 def test_overlapped_gather_is_waited_by_upstream_finish_param_sync(cls):
     first, second = make_group(overlap=True, n_buckets=1, cls=cls), make_group(overlap=True, n_buckets=1, cls=cls)
     first.next_param_gather_bucket_group = second
@@ -229,7 +250,7 @@ def _grouped_buckets(overlap, storage):
     """A bucket group whose two buckets are views of one parameter buffer ``storage``."""
     cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=overlap,
                                         overlap_param_gather=overlap)
-    buckets = [_ParamAndGradBucket(params=[], param_data=storage[8 * i: 8 * (i + 1)], grad_data=torch.zeros(8),
+    buckets = [_bucket(params=[], param_data=storage[8 * i: 8 * (i + 1)], grad_data=torch.zeros(8),
                                    offset=8 * i, numel_unpadded=8, gradient_scaling_factor=1.0, bucket_id=i)
                for i in range(2)]
     return _ParamAndGradBucketGroup(buckets, cfg, FakeGroup(), 2)

@@ -26,6 +26,7 @@ def test_enabled_redirects_cuda_and_is_undone():
         assert torch.ones(1).to("cuda").device.type == "cpu" and torch.ones(1).cuda().device.type == "cpu"
         assert torch.zeros(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
         assert torch.zeros(1).type(torch.float16).dtype == torch.float16  # conversions untouched
+        assert torch.tensor([1, 2], pin_memory=True).tolist() == [1, 2]  # no pinned allocator here
         torch.cuda.current_stream().wait_stream(torch.cuda.Stream())
         torch.cuda.synchronize()
         state = torch.cuda.get_rng_state()
@@ -37,6 +38,8 @@ def test_enabled_redirects_cuda_and_is_undone():
     assert torch.zeros(1).type() == "torch.FloatTensor"
     with pytest.raises((RuntimeError, AssertionError)):
         torch.zeros(1, device="cuda")
+    with pytest.raises(RuntimeError):
+        torch.tensor([1], pin_memory=True)
 
 
 def test_enable_refuses_where_cuda_exists(monkeypatch):

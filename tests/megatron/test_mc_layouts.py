@@ -3,10 +3,10 @@
 Per layout: the loss of every iteration (float.hex) and the final params sha256 (all shards,
 replicas cross-checked) are identical. CIERA binds to the distributed optimizer's groups: dense
 buckets gather over the data-parallel group (TP/PP/CP peers excluded), expert buckets over the
-expert-data-parallel group; the summaries name both. The 4-rank TP2xEP2 run is in the default
-suite; the other layouts and the 8-rank combination are ``slow``.
-Context parallelism needs transformer-engine's attention: on CPU it is a clear start-up error
-(tested), and it runs in ``tools/gpu_check.sh``.
+expert-data-parallel group; the summaries name both. The 4-rank TP2xEP2 and CP2xDP2 runs are in
+the default suite; the other layouts and the 8-rank combinations are ``slow``.
+Context parallelism on CPU runs :mod:`megatron.ciera.cp_attention` (the local spec's all-gather-KV
+attention); a slow test checks it against a CP 1 run on the same data (losses to fp32 tolerance).
 """
 
 import functools
@@ -41,8 +41,11 @@ LAYOUTS = {  # name: (flags, ranks)
                        "2", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", *OVERLAP], 8),
     "tp2_ep2_etp2_8": (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size",
                         "2", "--global-batch-size", "16"], 8),
+    "cp2": (["--context-parallel-size", "2", "--num-layers", "2"], 4),
+    "cp2_ep2": (["--context-parallel-size", "2", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size",
+                 "1", *OVERLAP], 4),
 }
-DEFAULT = {"tp2_ep2"}
+DEFAULT = {"tp2_ep2", "cp2"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,9 +70,32 @@ def test_layout_is_bit_identical_with_ciera(name):
         assert "expert0.bucket0" in summary
 
 
-def test_context_parallel_on_cpu_is_a_clear_error():
-    from megatron.ciera import arguments
+def _without(flags, *options):
+    """``flags`` without each of ``options`` and its value."""
+    out, skip = [], False
+    for flag in flags:
+        if skip:
+            skip = False
+        elif flag in options:
+            skip = True
+        else:
+            out.append(flag)
+    return out
 
-    args = arguments.build_parser().parse_args([*TINY, "--train-iters", "1", "--context-parallel-size", "2"])
-    with pytest.raises(ValueError, match="--context-parallel-size 2 needs transformer-engine's attention"):
-        arguments.validate_args(args, world_size=4)
+
+@pytest.mark.slow
+def test_context_parallel_trains_like_one_rank_holding_the_sequence():
+    """CP2 x DP2 against CP1 x DP2 on the same data (dense, fp32, no dropout): the attention sees
+    the same keys, so every iteration's loss agrees to fp32 rounding (not bit for bit: the
+    sums run in another order)."""
+    dense = _without(TINY, "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size", "--moe-aux-loss-coeff",
+                     "--moe-token-dispatcher-type")
+    flags = [*[f for f in dense if f != "--bf16"], "--attention-dropout", "0", "--hidden-dropout", "0",
+             "--train-iters", "3"]
+    whole = run_pretrain(flags, nproc=2, timeout=600)
+    split = run_pretrain([*flags, "--context-parallel-size", "2"], nproc=4, timeout=600)
+    assert whole.returncode == 0 and split.returncode == 0, (whole.output[-3000:], split.output[-3000:])
+    assert sorted(split.losses) == [1, 2, 3]
+    for it, loss in whole.losses.items():
+        assert split.losses[it] == pytest.approx(loss, rel=1e-5), (it, whole.losses, split.losses)
+    assert "the local context-parallel attention all-gathers K/V" in split.output  # the CP path ran

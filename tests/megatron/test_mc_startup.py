@@ -66,3 +66,40 @@ def test_stopped_rank_ends_the_job_with_a_timeout():
     assert stopped and proc.returncode != 0, out[-3000:]
     assert time.time() - start < 400
     assert "timed out" in out.lower() or "timeout" in out.lower(), out[-3000:]
+
+
+def _tiny_gpt2_bpe(folder: Path) -> tuple[str, str]:
+    """A GPT-2 byte-level BPE vocabulary (the 256 byte symbols, two merges, <|endoftext|>) and its
+    merges file, in the vocab.json / merges.txt formats Megatron-LM's --vocab-file / --merge-file take."""
+    import json
+
+    # GPT-2's byte alphabet: printable Latin-1 bytes stand for themselves, the others (space
+    # included: 'Ġ') for the code points from 256 up, in byte order.
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    others = iter(range(256, 512))
+    symbols = [chr(b) if b in printable else chr(next(others)) for b in range(256)]
+    assert symbols[ord(" ")] == "Ġ"
+    merges = [("Ġ", "t"), ("h", "e")]
+    vocab = {s: i for i, s in enumerate(symbols + ["".join(m) for m in merges] + ["<|endoftext|>"])}
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+    return str(folder / "vocab.json"), str(folder / "merges.txt")
+
+
+def test_gpt2_bpe_tokenizer_from_vocab_and_merge_files(tmp_path):
+    """--tokenizer-type GPT2BPETokenizer --vocab-file --merge-file: the tokenizer is built from the
+    two files (vocabulary size, end-of-document id, BPE merges applied) and a run trains with it."""
+    pytest.importorskip("transformers")
+    from megatron.ciera import arguments, data
+    from megatron.ciera.launch import run_pretrain
+
+    vocab, merges = _tiny_gpt2_bpe(tmp_path)
+    flags = [f for f in TINY if f not in ("NullTokenizer", "--vocab-size", "127")]
+    at = flags.index("--tokenizer-type") + 1
+    flags = [*flags[:at], "GPT2BPETokenizer", *flags[at:], "--vocab-file", vocab, "--merge-file", merges]
+    tok = data.build_tokenizer(arguments.parse_args(flags))
+    assert tok.vocab_size == 256 + 2 + 1 and tok.eod == 258
+    assert tok._tok(" the")["input_ids"] == [256, 257]  # Ġ t -> Ġt, h e -> he
+    result = run_pretrain(flags, nproc=1, timeout=300)
+    assert result.returncode == 0, result.output[-3000:]
+    assert sorted(result.losses) == [1, 2] and result.sha256
