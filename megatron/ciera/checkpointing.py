@@ -230,6 +230,66 @@ def _model_keys(model) -> list[tuple[str, object]]:
     return [(f"model{i}", chunk) for i, chunk in enumerate(chunks)]
 
 
+def _upstream_misplaces_padded_buckets() -> bool:
+    """Whether this megatron-core's ``fully_reshardable`` optimizer state has the bucket-padding
+    bug (megatron-core <= 0.19; fixed upstream by NVIDIA/Megatron-LM#5077): the gathered "world"
+    tensors drop the padding at the end of each bucket, but each parameter is then sliced out of
+    them at its index in the *padded* buffer. With more than one bucket per buffer (``--ddp-bucket-size``
+    below the model size, as under ``--overlap-grad-reduce``) every parameter after the first
+    bucket is saved with another parameter's main weights and moments, so a resume diverges. The
+    buggy versions are recognised by their zero-padding workaround for a slice that runs short."""
+    import inspect
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return "missing_elems_num" in inspect.getsource(DistributedOptimizer.sharded_param_state_fully_reshardable)
+
+
+def _in_buffer_layout(world: torch.Tensor, buffer) -> torch.Tensor:
+    """``world`` (the buckets' unpadded elements back to back) laid out as ``buffer`` is: each
+    bucket at its offset, the padding after it zero."""
+    out = torch.zeros(buffer.numel, dtype=world.dtype, device=world.device)
+    start = 0
+    for bucket in buffer.buckets:
+        out[bucket.offset:bucket.offset + bucket.numel_unpadded] = world[start:start + bucket.numel_unpadded]
+        start += bucket.numel_unpadded
+    return out
+
+
+@contextlib.contextmanager
+def _bucket_padding_fix(optimizer):
+    """Version isolation (see :func:`_upstream_misplaces_padded_buckets`): while the optimizer's
+    sharded state dict is built, its gathered world tensors come back in the buffer's own
+    (padded) layout, so each parameter's slice is its own. The checkpoint holds the same keys and
+    shapes as upstream's; only the values of the parameters past the first bucket change (they
+    become right). Loading needs no change: its world tensors are empty placeholders."""
+    patched = []
+    if _upstream_misplaces_padded_buckets():
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            original = getattr(opt, "get_parameter_state_dp_zero", None)
+            if original is None or not hasattr(opt, "buffers"):
+                continue
+
+            def dp_zero(*a, _opt=opt, _original=original, **k):
+                state = _original(*a, **k)
+                if state is None:
+                    return None
+                for gbuf_idx, buffer in enumerate(_opt.buffers):
+                    for world in state[gbuf_idx].values():
+                        for key in ("param", "exp_avg", "exp_avg_sq"):
+                            if key in world:
+                                world[key] = _in_buffer_layout(world[key], buffer)
+                return state
+
+            opt.get_parameter_state_dp_zero = dp_zero
+            patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt.get_parameter_state_dp_zero  # back to the class's method
+
+
 def _sharded_state_dict(model, optimizer, *, metadata: dict, with_optimizer: bool, with_rng: bool,
                         is_loading: bool) -> dict:
     state = {key: _unwrap(chunk).sharded_state_dict(metadata=metadata) for key, chunk in _model_keys(model)}
@@ -237,7 +297,8 @@ def _sharded_state_dict(model, optimizer, *, metadata: dict, with_optimizer: boo
     if with_optimizer and is_loading:
         _materialise_optimizer_state(optimizer)
     if with_optimizer:
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+        with _bucket_padding_fix(optimizer):
+            state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
     if with_rng:
         state["rng_state"] = _sharded_rng_state()
     return state
@@ -463,11 +524,6 @@ def load(args: argparse.Namespace, *, model, optimizer, scheduler) -> int:
     plan = _choose(args)
     if plan is None:
         return 0
-    if getattr(args, "overlap_param_gather", False):
-        # Known issue: after a torch_dist load under overlapped parameter gathers the run does not
-        # continue the saved trajectory (tests/megatron/test_mc_checkpointing.py, slow xfail).
-        raise SystemExit(f"--load {plan.folder} with --overlap-param-gather: resuming a torch_dist checkpoint is "
-                         "not yet exact under overlapped parameter gathers; resume without --overlap-param-gather")
     common = dist_checkpointing.load_common_state_dict(plan.folder)
     saved_args = common.get("args")
     if saved_args is not None:
