@@ -351,7 +351,8 @@ def _train_loop(run: _Run) -> bool:
     while run.iteration < args.train_iters:
         grad_norm, num_zeros = _train_step(run, batches)
         it = run.iteration
-        if it % args.log_interval == 0 or it == args.train_iters:
+        exiting = bool(args.exit_interval) and it % args.exit_interval == 0
+        if it % args.log_interval == 0 or it == args.train_iters or exiting:  # no iteration left unlogged
             _log_interval(run, grad_norm, num_zeros, interval_start)
             interval_start = time.time()
         if args.eval_interval and it % args.eval_interval == 0 and it < args.train_iters:
@@ -361,7 +362,7 @@ def _train_loop(run: _Run) -> bool:
             _save_snapshot(run.model, args, it)
         if args.save and args.save_interval and it % args.save_interval == 0:
             _save(run)
-        if args.exit_interval and it % args.exit_interval == 0:
+        if exiting:
             return it >= args.train_iters
     return True
 
