@@ -8,6 +8,7 @@ checkpoint failing on every rank, NaN stopping the run.
 """
 
 import argparse
+import math
 import os
 import shutil
 import signal
@@ -251,6 +252,92 @@ def test_world_tensors_are_put_back_in_the_buffer_layout():
     out = checkpointing._in_buffer_layout(world, buffer)
     assert out.tolist() == [1, 2, 3, 4, 5, 0, 0, 0, 6, 7, 8, 0, 0, 0, 0, 0, 9, 10, 11, 12, 0, 0, 0, 0]
     assert checkpointing._upstream_misplaces_padded_buckets()  # megatron-core 0.16.1: the fix is active
+
+
+def _digests(folder) -> dict:
+    """sha256 of the full (unsharded) model and optimizer tensors of a checkpoint, whatever layout
+    wrote it: ``{"model": ..., "optimizer": ...}``. Needs a process group (dist-ckpt loads)."""
+    import hashlib
+
+    import torch
+    from megatron.core import dist_checkpointing
+
+    tensors = dist_checkpointing.load_plain_tensors(str(folder))
+    out = {}
+    for part in ("model", "optimizer"):
+        h = hashlib.sha256()
+        keys = sorted(k for k, v in tensors.items()
+                      if isinstance(v, torch.Tensor) and k.startswith("optimizer.") == (part == "optimizer"))
+        assert keys, f"{folder}: no {part} tensors"
+        for key in keys:
+            t = tensors[key]
+            h.update(key.encode() + str(t.dtype).encode() + str(tuple(t.shape)).encode())
+            h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        out[part] = h.hexdigest()
+    return out
+
+
+def _reload_and_resave(tmp_path, source, iteration, flags, nproc, name="resaved"):
+    """Load ``source`` at another layout and save it again at once (no training step): the full
+    model and optimizer tensors of the two checkpoints must be bit-identical."""
+    resaved = tmp_path / name
+    again = run_pretrain(_flags(*flags, "--load", str(source), "--ckpt-step", str(iteration), "--save", str(resaved),
+                                iters=iteration), nproc=nproc, timeout=400)
+    assert again.returncode == 0 and "loaded checkpoint" in again.output, again.output[-4000:]
+    assert _digests(checkpointing.iteration_dir(str(source), iteration)) == \
+        _digests(checkpointing.iteration_dir(str(resaved), iteration))
+    return resaved
+
+
+def test_reshard_to_another_data_parallel_size_is_exact(one_rank_group, whole, tmp_path):
+    """Checkpoint 3 of the 2-rank run (DP 2) loads on one rank (DP 1) and, saved again there,
+    holds the same model and optimizer tensors bit for bit (the distributed optimizer's shards
+    are re-cut by dist-ckpt)."""
+    _, root = whole
+    _reload_and_resave(tmp_path, root / "ckpt", 3, CIERA, nproc=1)
+
+
+def test_virtual_pipeline_chunks_have_megatron_keys():
+    """Megatron-LM's state dict names: ``model`` for one chunk, ``model0``, ``model1``, ... with
+    virtual pipeline stages (``model`` given as the list of chunks)."""
+    a, b = object(), object()
+    assert checkpointing._model_keys(a) == [("model", a)]
+    assert checkpointing._model_keys([a]) == [("model", a)]
+    assert checkpointing._model_keys([a, b]) == [("model0", a), ("model1", b)]
+
+
+# Layout changes (slow): save at one layout, load at another; the full tensors are bit-identical
+# after the load, and training goes on from there.
+_TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+_PP2 = ["--pipeline-model-parallel-size", "2"]
+_EP2 = ["--expert-model-parallel-size", "2"]
+_VPP = ["--num-layers", "4", *_PP2, "--num-layers-per-virtual-pipeline-stage", "1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("before,after", [(_TP2, []), ([], _TP2), (_PP2, []), ([], _PP2), (_EP2, []), ([], _EP2),
+                                          (_VPP, ["--num-layers", "4"])],
+                         ids=["tp2-tp1", "tp1-tp2", "pp2-pp1", "pp1-pp2", "ep2-ep1", "ep1-ep2", "vpp2-pp1"])
+def test_resume_at_another_layout(one_rank_group, tmp_path, before, after):
+    """2 ranks each side. The checkpoint written at ``before`` loads at ``after`` with the same
+    full model and optimizer tensors; two more iterations train with finite losses."""
+    first = run_pretrain(_flags(*before, "--save", str(tmp_path / "ckpt"), iters=2), nproc=2, timeout=400)
+    assert first.returncode == 0, first.output[-4000:]
+    resaved = _reload_and_resave(tmp_path, tmp_path / "ckpt", 2, after, nproc=2)
+    go_on = run_pretrain(_flags(*after, "--load", str(resaved), iters=4), nproc=2, timeout=400)
+    assert go_on.returncode == 0, go_on.output[-4000:]
+    assert sorted(go_on.losses) == [3, 4] and all(math.isfinite(v) for v in go_on.losses.values())
+
+
+@pytest.mark.slow
+def test_virtual_pipeline_resume_is_bit_exact(tmp_path):
+    """PP 2 x VPP 2 (chunks saved as model0 / model1): stop at 2, resume to 4, equal to the
+    uninterrupted run, with and without CIERA."""
+    for flags in (_VPP, [*_VPP, *CIERA]):
+        whole = run_pretrain(_flags(*flags, iters=4), nproc=2, timeout=400)
+        assert whole.returncode == 0, whole.output[-4000:]
+        _, resumed = _stop_and_resume(tmp_path / str(len(flags)), *flags, at=2, iters=4)
+        assert resumed.losses == {i: whole.losses[i] for i in (3, 4)} and resumed.sha256 == whole.sha256
 
 
 @pytest.mark.slow
