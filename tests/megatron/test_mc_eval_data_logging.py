@@ -5,6 +5,7 @@ import glob
 import math
 import os
 import struct
+import sys
 import time
 
 import numpy as np
@@ -12,6 +13,9 @@ import pytest
 import torch
 
 from megatron.ciera import arguments, data, evaluation, feature_args, logging_utils, timers
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_mc_data import BatchOrder  # noqa: E402  (the test oracle of the batch order)
 
 
 def _parse(extra, world=2):
@@ -87,7 +91,7 @@ def test_blend_and_per_split_paths_build_real_splits(tmp_path, one_rank_group):
     assert test is None and valid is not None
     # the DataLoader (one worker, prefetching) yields the in-process order exactly
     loader = data.train_iterator(train, args, dp_rank=1, start_iteration=1)
-    order = data.BatchOrder(train, 2, 2, 1, args.num_microbatches)
+    order = BatchOrder(train, 2, 2, 1, args.num_microbatches)
     for it in (1, 2):
         for m in range(args.num_microbatches):
             got, want = next(loader), order.micro_batch(it, m)
