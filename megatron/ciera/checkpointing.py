@@ -46,7 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["TRACKER", "CHECKSUMS", "preflight", "save", "load", "latest_iteration", "iteration_dir",
+__all__ = ["TRACKER", "CHECKSUMS", "preflight", "save", "write", "async_queue", "finalize_async_saves", "load", "latest_iteration", "iteration_dir",
            "complete_iterations", "verify"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -387,30 +387,33 @@ def _saved_args(args, iteration: int) -> argparse.Namespace:
     return saved
 
 
-def save(args: argparse.Namespace, *, iteration: int, model, optimizer, scheduler, flops_so_far: float = 0.0) -> None:
-    """Collective: write checkpoint ``iteration`` under ``--save`` atomically, then the tracker.
+def async_queue(args: argparse.Namespace):
+    """megatron-core's queue of asynchronous saves under ``--async-save`` (``None`` without it)."""
+    if not getattr(args, "async_save", False):
+        return None
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-    The model's parameter buffers must hold the gathered parameters (the caller forces a
-    synchronous gather first under ``--overlap-param-gather``)."""
-    from megatron.core import dist_checkpointing
+    return AsyncCallsQueue(persistent=False)
 
-    root, rank = args.save, dist.get_rank()
+
+def finalize_async_saves(queue, *, blocking: bool) -> None:
+    """Collective, every iteration under ``--async-save`` and ``blocking`` before the run ends:
+    finish the saves whose background writes are done on every rank (each one's checksums,
+    rename and tracker run only then)."""
+    if queue is not None:
+        queue.maybe_finalize_async_calls(blocking=blocking)
+        if blocking:
+            queue.close()
+
+
+def _publish(root: str, iteration: int) -> None:
+    """Collective, once every rank's files of ``iter_N.incomplete`` are written: checksums, then
+    the rename to ``iter_N``, then the tracker (each step only after the one before is durable)."""
     final = iteration_dir(root, iteration)
     partial = final + INCOMPLETE
-    if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
-    dist.barrier()
-    state = _sharded_state_dict(model, optimizer, metadata=_CONTENT_METADATA, with_optimizer=not args.no_save_optim,
-                                with_rng=not args.no_save_rng, is_loading=False)
-    state.update(iteration=iteration, checkpoint_version=CHECKPOINT_VERSION, args=_saved_args(args, iteration),
-                 num_floating_point_operations_so_far=flops_so_far)
-    if not args.no_save_optim:
-        state["opt_param_scheduler"] = scheduler.state_dict()
-    dist_checkpointing.save(state, partial, content_metadata=dict(_CONTENT_METADATA))
     dist.barrier()
     _write_checksums(partial)
-    if rank == 0:
+    if dist.get_rank() == 0:
         replaced = final + ".replaced"
         if os.path.exists(final):  # re-saving an iteration: the old folder goes only once the new one is whole
             os.replace(final, replaced)
@@ -423,6 +426,45 @@ def save(args: argparse.Namespace, *, iteration: int, model, optimizer, schedule
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(root, TRACKER))
     dist.barrier()
+
+
+def write(state: dict, *, root: str, iteration: int, queue=None) -> None:
+    """Collective: write the sharded ``state`` as checkpoint ``iteration`` under ``root``,
+    atomically. With ``queue`` (:func:`async_queue`) the tensors are written in a background
+    process and the checkpoint is published (checksums, rename, tracker) by
+    :func:`finalize_async_saves` once every rank's write is done: until then the previous
+    checkpoint stays the latest, and a crash leaves only an ``.incomplete`` folder."""
+    from megatron.core import dist_checkpointing
+
+    partial = iteration_dir(root, iteration) + INCOMPLETE
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+    dist.barrier()
+    if queue is None:
+        dist_checkpointing.save(state, partial, content_metadata=dict(_CONTENT_METADATA))
+        _publish(root, iteration)
+        return
+    request = dist_checkpointing.save(state, partial, content_metadata=dict(_CONTENT_METADATA),
+                                      async_sharded_save=True)
+    request.add_finalize_fn(lambda: _publish(root, iteration))  # after megatron-core's metadata.json
+    queue.schedule_async_request(request)
+
+
+def save(args: argparse.Namespace, *, iteration: int, model, optimizer, scheduler, flops_so_far: float = 0.0,
+         queue=None) -> None:
+    """Collective: write checkpoint ``iteration`` under ``--save`` atomically, then the tracker
+    (``queue``: asynchronously, see :func:`write`).
+
+    The model's parameter buffers must hold the gathered parameters (the caller forces a
+    synchronous gather first under ``--overlap-param-gather``)."""
+    state = _sharded_state_dict(model, optimizer, metadata=_CONTENT_METADATA, with_optimizer=not args.no_save_optim,
+                                with_rng=not args.no_save_rng, is_loading=False)
+    state.update(iteration=iteration, checkpoint_version=CHECKPOINT_VERSION, args=_saved_args(args, iteration),
+                 num_floating_point_operations_so_far=flops_so_far)
+    if not args.no_save_optim:
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    write(state, root=args.save, iteration=iteration, queue=queue)
 
 
 # ---------------------------------------------------------------------------------------------

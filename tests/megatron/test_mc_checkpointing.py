@@ -119,6 +119,47 @@ def test_ckpt_step_and_checkpoints_without_checksums(one_rank_group, tmp_path, c
         checkpointing._choose(_args(load=str(tmp_path), ckpt_step=30))
 
 
+def test_async_save_is_published_only_once_written(one_rank_group, tmp_path):
+    """--async-save: while the background write runs (or if the job dies then) checkpoint 4 stays
+    the latest and the new one is only an ``.incomplete`` folder, which the next start removes;
+    finalising publishes it whole (checksums, rename, tracker)."""
+    import contextlib
+
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from megatron.ciera import cpu_compat
+
+    # megatron-core's async caller synchronises "the GPU": the CPU shims, as in pretrain_gpt.py
+    with contextlib.nullcontext() if torch.cuda.is_available() else cpu_compat.enabled():
+        _async_save_scenario(tmp_path, torch, dist_checkpointing, ShardedTensor)
+
+
+def _async_save_scenario(tmp_path, torch, dist_checkpointing, ShardedTensor):
+    def state(value):
+        return {"w": ShardedTensor.from_rank_offsets("w", torch.full((64,), value)), "iteration": 0}
+
+    root = str(tmp_path)
+    checkpointing.write(state(4.0), root=root, iteration=4)
+    queue = checkpointing.async_queue(argparse.Namespace(async_save=True))
+    checkpointing.write(state(5.0), root=root, iteration=5, queue=queue)
+    assert checkpointing.latest_iteration(root) == 4 and checkpointing.complete_iterations(root) == [4]
+    assert os.path.isdir(checkpointing.iteration_dir(root, 5) + ".incomplete")
+    checkpointing.finalize_async_saves(queue, blocking=True)
+    assert checkpointing.latest_iteration(root) == 5 and checkpointing.complete_iterations(root) == [4, 5]
+    assert checkpointing.verify(checkpointing.iteration_dir(root, 5)) == []
+    assert torch.equal(dist_checkpointing.load_plain_tensors(checkpointing.iteration_dir(root, 5))["w"],
+                       torch.full((64,), 5.0))
+    # a job killed mid-write: the next start drops the half-written folder, 5 stays the latest
+    checkpointing.write(state(6.0), root=root, iteration=6, queue=checkpointing.async_queue(
+        argparse.Namespace(async_save=True)))
+    checkpointing.preflight(_args(save=root, load=root))
+    assert checkpointing.complete_iterations(root) == [4, 5] and checkpointing.latest_iteration(root) == 5
+    assert not os.path.exists(checkpointing.iteration_dir(root, 6) + ".incomplete")
+    assert checkpointing.async_queue(argparse.Namespace(async_save=False)) is None
+
+
 # ---------------------------------------------------------------------------------------------
 # pretrain_gpt.py on gloo ranks
 
@@ -178,6 +219,23 @@ def test_checkpoint_has_megatron_core_keys(whole):
     assert any(k.startswith("decoder.layers.mlp.experts.") for k in keys)
     assert any(k.startswith("optimizer.") for k in keys)
     assert dist_checkpointing.load_content_metadata(folder)["distrib_optim_sharding_type"] == "fully_reshardable"
+
+
+def test_async_save_writes_the_same_checkpoints(one_rank_group, whole, tmp_path):
+    """--async-save: training is unchanged and every checkpoint holds the same tensors as the
+    synchronous run's (so a resume from it is the synchronous resume, tested above and below)."""
+    result, root = whole
+    ckpt = tmp_path / "ckpt"
+    asynchronous = run_pretrain(_flags(*CIERA, "--async-save", "--save", str(ckpt), "--save-interval", "3",
+                                       "--eval-iters", "0"), nproc=2, timeout=300)
+    assert asynchronous.returncode == 0, asynchronous.output[-4000:]
+    assert "started saving checkpoint" in asynchronous.output
+    assert asynchronous.losses == result.losses and asynchronous.sha256 == result.sha256
+    assert checkpointing.complete_iterations(str(ckpt)) == [3, 6] and checkpointing.latest_iteration(str(ckpt)) == 6
+    for it in (3, 6):
+        folder = checkpointing.iteration_dir(str(ckpt), it)
+        assert checkpointing.verify(folder) == []
+        assert _digests(folder) == _digests(checkpointing.iteration_dir(str(root / "ckpt"), it))
 
 
 def test_resume_after_a_crash_matches_the_uninterrupted_run(whole, tmp_path):
