@@ -26,6 +26,13 @@ Nothing lost:
   agreed over all ranks): a damaged checkpoint fails on every rank naming the files, or, with
   ``--ckpt-fallback-to-previous``, the newest earlier checkpoint that passes is loaded.
 
+``--async-save``: megatron-core writes the tensors in a background process and the publication
+(checksums, rename, tracker) runs in its finalisation, once every rank's write is done
+(:func:`finalize_async_saves`, called by the loop every iteration): atomic as above.
+
+A version difference is isolated here: megatron-core <= 0.19 misplaces the optimizer state of
+every bucket after the first in ``fully_reshardable`` checkpoints (:func:`_bucket_padding_fix`).
+
 CIERA keeps no state in checkpoints: the caller invalidates its caches after :func:`load`
 (``bucket_group.invalidate_param_caches``), so the first gather after a load is raw.
 """
