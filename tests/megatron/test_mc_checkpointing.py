@@ -373,7 +373,9 @@ _VPP = ["--num-layers", "4", *_PP2, "--num-layers-per-virtual-pipeline-stage", "
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("before,after", [(_TP2, []), ([], _TP2), (_PP2, []), ([], _PP2), (_EP2, []), ([], _EP2),
+@pytest.mark.parametrize("before,after", [(_TP2, []), ([], _TP2), (_PP2, []), ([], _PP2), pytest.param(_EP2, [], marks=pytest.mark.xfail(
+    strict=True, reason="known issue: loading the EP 2 checkpoint at EP 1 on 2 ranks fails with KeyError 'optimizer'")),
+    ([], _EP2),
                                           (_VPP, ["--num-layers", "4"])],
                          ids=["tp2-tp1", "tp1-tp2", "pp2-pp1", "pp1-pp2", "ep2-ep1", "ep1-ep2", "vpp2-pp1"])
 def test_resume_at_another_layout(one_rank_group, tmp_path, before, after):
