@@ -26,6 +26,13 @@ Nothing lost:
   agreed over all ranks): a damaged checkpoint fails on every rank naming the files, or, with
   ``--ckpt-fallback-to-previous``, the newest earlier checkpoint that passes is loaded.
 
+``--async-save``: megatron-core writes the tensors in a background process and the publication
+(checksums, rename, tracker) runs in its finalisation, once every rank's write is done
+(:func:`finalize_async_saves`, called by the loop every iteration): atomic as above.
+
+A version difference is isolated here: megatron-core <= 0.19 misplaces the optimizer state of
+every bucket after the first in ``fully_reshardable`` checkpoints (:func:`_bucket_padding_fix`).
+
 CIERA keeps no state in checkpoints: the caller invalidates its caches after :func:`load`
 (``bucket_group.invalidate_param_caches``), so the first gather after a load is raw.
 """
@@ -46,7 +53,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["TRACKER", "CHECKSUMS", "preflight", "save", "load", "latest_iteration", "iteration_dir",
+__all__ = ["TRACKER", "CHECKSUMS", "preflight", "save", "write", "async_queue", "finalize_async_saves", "load", "latest_iteration", "iteration_dir",
            "complete_iterations", "verify"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -230,6 +237,66 @@ def _model_keys(model) -> list[tuple[str, object]]:
     return [(f"model{i}", chunk) for i, chunk in enumerate(chunks)]
 
 
+def _upstream_misplaces_padded_buckets() -> bool:
+    """Whether this megatron-core's ``fully_reshardable`` optimizer state has the bucket-padding
+    bug (megatron-core <= 0.19; fixed upstream by NVIDIA/Megatron-LM#5077): the gathered "world"
+    tensors drop the padding at the end of each bucket, but each parameter is then sliced out of
+    them at its index in the *padded* buffer. With more than one bucket per buffer (``--ddp-bucket-size``
+    below the model size, as under ``--overlap-grad-reduce``) every parameter after the first
+    bucket is saved with another parameter's main weights and moments, so a resume diverges. The
+    buggy versions are recognised by their zero-padding workaround for a slice that runs short."""
+    import inspect
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return "missing_elems_num" in inspect.getsource(DistributedOptimizer.sharded_param_state_fully_reshardable)
+
+
+def _in_buffer_layout(world: torch.Tensor, buffer) -> torch.Tensor:
+    """``world`` (the buckets' unpadded elements back to back) laid out as ``buffer`` is: each
+    bucket at its offset, the padding after it zero."""
+    out = torch.zeros(buffer.numel, dtype=world.dtype, device=world.device)
+    start = 0
+    for bucket in buffer.buckets:
+        out[bucket.offset:bucket.offset + bucket.numel_unpadded] = world[start:start + bucket.numel_unpadded]
+        start += bucket.numel_unpadded
+    return out
+
+
+@contextlib.contextmanager
+def _bucket_padding_fix(optimizer):
+    """Version isolation (see :func:`_upstream_misplaces_padded_buckets`): while the optimizer's
+    sharded state dict is built, its gathered world tensors come back in the buffer's own
+    (padded) layout, so each parameter's slice is its own. The checkpoint holds the same keys and
+    shapes as upstream's; only the values of the parameters past the first bucket change (they
+    become right). Loading needs no change: its world tensors are empty placeholders."""
+    patched = []
+    if _upstream_misplaces_padded_buckets():
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            original = getattr(opt, "get_parameter_state_dp_zero", None)
+            if original is None or not hasattr(opt, "buffers"):
+                continue
+
+            def dp_zero(*a, _opt=opt, _original=original, **k):
+                state = _original(*a, **k)
+                if state is None:
+                    return None
+                for gbuf_idx, buffer in enumerate(_opt.buffers):
+                    for world in state[gbuf_idx].values():
+                        for key in ("param", "exp_avg", "exp_avg_sq"):
+                            if key in world:
+                                world[key] = _in_buffer_layout(world[key], buffer)
+                return state
+
+            opt.get_parameter_state_dp_zero = dp_zero
+            patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt.get_parameter_state_dp_zero  # back to the class's method
+
+
 def _sharded_state_dict(model, optimizer, *, metadata: dict, with_optimizer: bool, with_rng: bool,
                         is_loading: bool) -> dict:
     state = {key: _unwrap(chunk).sharded_state_dict(metadata=metadata) for key, chunk in _model_keys(model)}
@@ -237,7 +304,8 @@ def _sharded_state_dict(model, optimizer, *, metadata: dict, with_optimizer: boo
     if with_optimizer and is_loading:
         _materialise_optimizer_state(optimizer)
     if with_optimizer:
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+        with _bucket_padding_fix(optimizer):
+            state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
     if with_rng:
         state["rng_state"] = _sharded_rng_state()
     return state
@@ -326,30 +394,33 @@ def _saved_args(args, iteration: int) -> argparse.Namespace:
     return saved
 
 
-def save(args: argparse.Namespace, *, iteration: int, model, optimizer, scheduler, flops_so_far: float = 0.0) -> None:
-    """Collective: write checkpoint ``iteration`` under ``--save`` atomically, then the tracker.
+def async_queue(args: argparse.Namespace):
+    """megatron-core's queue of asynchronous saves under ``--async-save`` (``None`` without it)."""
+    if not getattr(args, "async_save", False):
+        return None
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-    The model's parameter buffers must hold the gathered parameters (the caller forces a
-    synchronous gather first under ``--overlap-param-gather``)."""
-    from megatron.core import dist_checkpointing
+    return AsyncCallsQueue(persistent=False)
 
-    root, rank = args.save, dist.get_rank()
+
+def finalize_async_saves(queue, *, blocking: bool) -> None:
+    """Collective, every iteration under ``--async-save`` and ``blocking`` before the run ends:
+    finish the saves whose background writes are done on every rank (each one's checksums,
+    rename and tracker run only then)."""
+    if queue is not None:
+        queue.maybe_finalize_async_calls(blocking=blocking)
+        if blocking:
+            queue.close()
+
+
+def _publish(root: str, iteration: int) -> None:
+    """Collective, once every rank's files of ``iter_N.incomplete`` are written: checksums, then
+    the rename to ``iter_N``, then the tracker (each step only after the one before is durable)."""
     final = iteration_dir(root, iteration)
     partial = final + INCOMPLETE
-    if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
-    dist.barrier()
-    state = _sharded_state_dict(model, optimizer, metadata=_CONTENT_METADATA, with_optimizer=not args.no_save_optim,
-                                with_rng=not args.no_save_rng, is_loading=False)
-    state.update(iteration=iteration, checkpoint_version=CHECKPOINT_VERSION, args=_saved_args(args, iteration),
-                 num_floating_point_operations_so_far=flops_so_far)
-    if not args.no_save_optim:
-        state["opt_param_scheduler"] = scheduler.state_dict()
-    dist_checkpointing.save(state, partial, content_metadata=dict(_CONTENT_METADATA))
     dist.barrier()
     _write_checksums(partial)
-    if rank == 0:
+    if dist.get_rank() == 0:
         replaced = final + ".replaced"
         if os.path.exists(final):  # re-saving an iteration: the old folder goes only once the new one is whole
             os.replace(final, replaced)
@@ -362,6 +433,45 @@ def save(args: argparse.Namespace, *, iteration: int, model, optimizer, schedule
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(root, TRACKER))
     dist.barrier()
+
+
+def write(state: dict, *, root: str, iteration: int, queue=None) -> None:
+    """Collective: write the sharded ``state`` as checkpoint ``iteration`` under ``root``,
+    atomically. With ``queue`` (:func:`async_queue`) the tensors are written in a background
+    process and the checkpoint is published (checksums, rename, tracker) by
+    :func:`finalize_async_saves` once every rank's write is done: until then the previous
+    checkpoint stays the latest, and a crash leaves only an ``.incomplete`` folder."""
+    from megatron.core import dist_checkpointing
+
+    partial = iteration_dir(root, iteration) + INCOMPLETE
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+    dist.barrier()
+    if queue is None:
+        dist_checkpointing.save(state, partial, content_metadata=dict(_CONTENT_METADATA))
+        _publish(root, iteration)
+        return
+    request = dist_checkpointing.save(state, partial, content_metadata=dict(_CONTENT_METADATA),
+                                      async_sharded_save=True)
+    request.add_finalize_fn(lambda: _publish(root, iteration))  # after megatron-core's metadata.json
+    queue.schedule_async_request(request)
+
+
+def save(args: argparse.Namespace, *, iteration: int, model, optimizer, scheduler, flops_so_far: float = 0.0,
+         queue=None) -> None:
+    """Collective: write checkpoint ``iteration`` under ``--save`` atomically, then the tracker
+    (``queue``: asynchronously, see :func:`write`).
+
+    The model's parameter buffers must hold the gathered parameters (the caller forces a
+    synchronous gather first under ``--overlap-param-gather``)."""
+    state = _sharded_state_dict(model, optimizer, metadata=_CONTENT_METADATA, with_optimizer=not args.no_save_optim,
+                                with_rng=not args.no_save_rng, is_loading=False)
+    state.update(iteration=iteration, checkpoint_version=CHECKPOINT_VERSION, args=_saved_args(args, iteration),
+                 num_floating_point_operations_so_far=flops_so_far)
+    if not args.no_save_optim:
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    write(state, root=args.save, iteration=iteration, queue=queue)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -463,11 +573,6 @@ def load(args: argparse.Namespace, *, model, optimizer, scheduler) -> int:
     plan = _choose(args)
     if plan is None:
         return 0
-    if getattr(args, "overlap_param_gather", False):
-        # Known issue: after a torch_dist load under overlapped parameter gathers the run does not
-        # continue the saved trajectory (tests/megatron/test_mc_checkpointing.py, slow xfail).
-        raise SystemExit(f"--load {plan.folder} with --overlap-param-gather: resuming a torch_dist checkpoint is "
-                         "not yet exact under overlapped parameter gathers; resume without --overlap-param-gather")
     common = dist_checkpointing.load_common_state_dict(plan.folder)
     saved_args = common.get("args")
     if saved_args is not None:

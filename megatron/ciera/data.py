@@ -263,18 +263,3 @@ def eval_iterator(dataset, args: argparse.Namespace, *, dp_rank: int, eval_index
     """Micro batches of evaluation number ``eval_index`` (``eval_iters`` global batches)."""
     count = args.eval_iters * args.num_microbatches
     return iter(_loader(dataset, sample_order(args, dp_rank), eval_index * count, count, args.num_workers, True))
-
-
-class BatchOrder:
-    """Micro batches of one rank, as a function of (iteration, micro batch index); in-process."""
-
-    def __init__(self, dataset, micro_batch_size: int, dp_size: int, dp_rank: int, num_microbatches: int):
-        self.dataset, self.nmb = dataset, num_microbatches
-        self.order = SampleOrder(micro_batch_size, dp_size, dp_rank)
-
-    def micro_batch(self, iteration: int, index: int) -> dict:
-        return collate([self.dataset[i] for i in self.order.micro_batch(iteration * self.nmb + index)])
-
-    def iterator(self, iteration: int):
-        """The micro batches of ``iteration`` in order (what the schedule's data iterator yields)."""
-        return iter([self.micro_batch(iteration, i) for i in range(self.nmb)])

@@ -41,7 +41,9 @@ def add_checkpoint_eval_data_logging_args(parser: argparse.ArgumentParser) -> ar
     g.add_argument("--ckpt-format", default="torch_dist",
                    choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"],
                    help="checkpoint format; this entry point writes and reads torch_dist")
-    g.add_argument("--async-save", action="store_true", help="not supported here (clear error)")
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in a background process (megatron-core's async dist-ckpt); each "
+                        "becomes the latest only once every rank's write is done")
     g.add_argument("--dist-ckpt-strictness", default="assume_ok_unexpected", choices=STRICTNESS,
                    help="what a key mismatch between checkpoint and model does on load")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
@@ -100,7 +102,7 @@ def add_checkpoint_eval_data_logging_args(parser: argparse.ArgumentParser) -> ar
 
 HONOURED_FLAGS = (
     "save", "save_interval", "no_save_optim", "no_save_rng", "load", "no_load_optim", "no_load_rng", "finetune",
-    "ckpt_step", "ckpt_format", "dist_ckpt_strictness", "exit_on_missing_checkpoint", "exit_interval",
+    "ckpt_step", "ckpt_format", "async_save", "dist_ckpt_strictness", "exit_on_missing_checkpoint", "exit_interval",
     "ckpt_fallback_to_previous", "overwrite_checkpoints", "check_for_nan_in_loss_and_grad", "eval_iters",
     "eval_interval", "mock_data", "data_path", "split", "train_data_path", "valid_data_path", "test_data_path",
     "data_cache_path", "num_workers", "log_interval", "tensorboard_dir", "tensorboard_log_interval",
@@ -109,7 +111,7 @@ HONOURED_FLAGS = (
     "log_throughput", "timing_log_level", "timing_log_option", "log_timers_to_tensorboard", "barrier_with_L1_time",
     "wandb_project", "wandb_exp_name", "wandb_save_dir", "wandb_entity",
 )
-"""Destinations of the flags above that the feature modules honour (``async_save`` is rejected)."""
+"""Destinations of the flags above that the feature modules honour (every one of them)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -125,9 +127,6 @@ def validate_checkpoint_eval_data_logging_args(args: argparse.Namespace, err: Ca
     if args.ckpt_format != "torch_dist":
         err(f"--ckpt-format {args.ckpt_format}: this entry point writes and reads torch_dist checkpoints "
             "(megatron-core dist_checkpointing); convert others with Megatron-LM's tools/checkpoint")
-    if args.async_save:
-        err("--async-save is not supported by this entry point: checkpoints are saved synchronously "
-            "(drop the flag)")
     for name in ("save_interval", "eval_interval", "log_interval", "tensorboard_log_interval", "exit_interval"):
         value = getattr(args, name)
         if value is not None and value < 1:

@@ -208,6 +208,7 @@ class _Run:
         self.skipped = self.nan_iters = 0
         self.logged_stats = []  # CIERA counters at the last log line
         self.flops_per_iteration = logging_utils.flops_per_iteration(args)
+        self.async_saves = checkpointing.async_queue(args)  # --async-save (None without)
 
 
 def _train_step(run: _Run, batches):
@@ -334,8 +335,9 @@ def _evaluate(run: _Run, *, split: str, index: int, prefix: str) -> None:
 def _save(run: _Run) -> None:
     _sync_params(run.model, run.args)
     checkpointing.save(run.args, iteration=run.iteration, model=run.model, optimizer=run.optimizer,
-                       scheduler=run.scheduler, flops_so_far=run.iteration * run.flops_per_iteration)
-    _print0(f"saved checkpoint {run.args.save} at iteration {run.iteration}")
+                       scheduler=run.scheduler, flops_so_far=run.iteration * run.flops_per_iteration,
+                       queue=run.async_saves)
+    _print0(f"{'started saving' if run.async_saves else 'saved'} checkpoint {run.args.save} at iteration {run.iteration}")
 
 
 def _train_loop(run: _Run) -> bool:
@@ -350,8 +352,10 @@ def _train_loop(run: _Run) -> bool:
         chunk.train()
     while run.iteration < args.train_iters:
         grad_norm, num_zeros = _train_step(run, batches)
+        checkpointing.finalize_async_saves(run.async_saves, blocking=False)
         it = run.iteration
-        if it % args.log_interval == 0 or it == args.train_iters:
+        exiting = bool(args.exit_interval) and it % args.exit_interval == 0
+        if it % args.log_interval == 0 or it == args.train_iters or exiting:  # no iteration left unlogged
             _log_interval(run, grad_norm, num_zeros, interval_start)
             interval_start = time.time()
         if args.eval_interval and it % args.eval_interval == 0 and it < args.train_iters:
@@ -361,7 +365,7 @@ def _train_loop(run: _Run) -> bool:
             _save_snapshot(run.model, args, it)
         if args.save and args.save_interval and it % args.save_interval == 0:
             _save(run)
-        if args.exit_interval and it % args.exit_interval == 0:
+        if exiting:
             return it >= args.train_iters
     return True
 
@@ -389,6 +393,7 @@ def train(args) -> str:
     _sync_params(model, args)
     if args.save and (not args.save_interval or run.iteration % args.save_interval != 0):
         _save(run)
+    checkpointing.finalize_async_saves(run.async_saves, blocking=True)
     if completed:  # as Megatron-LM: the valid and the test split once more at the end
         it = run.iteration
         _evaluate(run, split="valid", index=evaluation.eval_index(it + (args.eval_interval or 0), args.eval_interval),

@@ -6,6 +6,19 @@ import torch
 from megatron.ciera import arguments, data
 
 
+class BatchOrder:
+    """Test oracle, independent of the loader's code: the micro batches of one data-parallel rank
+    in Megatron-LM's pretraining-sampler order, straight from the formula
+    global sample = (iteration * micro batches + index) * mbs * dp + rank * mbs + j."""
+
+    def __init__(self, dataset, micro_batch_size: int, dp_size: int, dp_rank: int, num_microbatches: int):
+        self.dataset, self.mbs, self.dp, self.rank, self.nmb = dataset, micro_batch_size, dp_size, dp_rank, num_microbatches
+
+    def micro_batch(self, iteration: int, index: int) -> dict:
+        start = (iteration * self.nmb + index) * self.mbs * self.dp + self.rank * self.mbs
+        return data.collate([self.dataset[start + j] for j in range(self.mbs)])
+
+
 def _args(extra):
     base = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
             "--lr", "1e-4", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3",
@@ -32,7 +45,7 @@ def test_indexed_dataset_and_batch_order(tmp_path):
     tokenizer = data.build_tokenizer(args)
     dataset = data.build_datasets(args, tokenizer)[0]
     assert len(dataset) >= args.train_iters * args.global_batch_size
-    order = [data.BatchOrder(dataset, 2, 2, r, args.num_microbatches) for r in (0, 1)]
+    order = [BatchOrder(dataset, 2, 2, r, args.num_microbatches) for r in (0, 1)]
     batch = order[1].micro_batch(iteration=2, index=1)
     assert batch["tokens"].shape == (2, 16) and batch["labels"].shape == (2, 16)
     # global sample index = iteration * gbs + micro batch * mbs * dp + rank * mbs + j

@@ -5,6 +5,7 @@ import glob
 import math
 import os
 import struct
+import sys
 import time
 
 import numpy as np
@@ -12,6 +13,9 @@ import pytest
 import torch
 
 from megatron.ciera import arguments, data, evaluation, feature_args, logging_utils, timers
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_mc_data import BatchOrder  # noqa: E402  (the test oracle of the batch order)
 
 
 def _parse(extra, world=2):
@@ -30,9 +34,9 @@ def test_upstream_defaults_and_every_flag_is_honoured_or_rejected():
     parser = argparse.ArgumentParser()
     feature_args.add_checkpoint_eval_data_logging_args(parser)
     dests = {a.dest for a in parser._actions if a.dest != "help"}
-    assert dests - set(feature_args.HONOURED_FLAGS) == {"async_save"}  # the one rejected flag
+    assert dests == set(feature_args.HONOURED_FLAGS)  # every flag of the feature modules is honoured
+    assert _parse(["--mock-data", "--async-save", "--save", "x"]).async_save
     for flags, message in (
-        (["--async-save"], "--async-save is not supported"),
         (["--ckpt-format", "torch"], "--ckpt-format torch"),
         (["--save-interval", "5"], "--save-interval needs --save"),
         (["--finetune"], "--finetune needs --load"),
@@ -87,7 +91,7 @@ def test_blend_and_per_split_paths_build_real_splits(tmp_path, one_rank_group):
     assert test is None and valid is not None
     # the DataLoader (one worker, prefetching) yields the in-process order exactly
     loader = data.train_iterator(train, args, dp_rank=1, start_iteration=1)
-    order = data.BatchOrder(train, 2, 2, 1, args.num_microbatches)
+    order = BatchOrder(train, 2, 2, 1, args.num_microbatches)
     for it in (1, 2):
         for m in range(args.num_microbatches):
             got, want = next(loader), order.micro_batch(it, m)

@@ -19,7 +19,6 @@ FIXTURES = sorted((Path(__file__).parent / "upstream_commands").glob("*.txt"))
 EXPECTED_REJECTIONS = {
     "train_gpt3_175b_distributed": "--rampup-batch-size: batch-size ramp-up is not implemented",
     "train_mixtral_8x7b_distributed": "--tokenizer-type Llama2Tokenizer: this entry point builds",
-    "gpt3_mcore_te_tp1_pp4_swiglu": "--async-save is not supported by this entry point",
 }
 
 
