@@ -12,6 +12,10 @@ the same :class:`Plan` for each bucket:
 * the largest payload is not smaller than the shard: raw (a shard that would not shrink travels
   as a plain all-gather inside the same protocol: no extra round, no decode);
 * otherwise compressed, every rank sending exactly ``align_up(max payload)`` bytes.
+
+Where selection has chosen raw for every bucket of the call (an agreed, rank-identical choice), the
+table is not needed and the collective is skipped: ``auto`` costs a plain gather nothing extra
+between its re-decisions.
 """
 
 from __future__ import annotations
@@ -91,7 +95,17 @@ def agree_sizes(gathers: Sequence["CieraAllGather"], *, group=None) -> list[Plan
             g._encoded = ("raw", None)
             g._apply_plan(p)
         return plans
+    chose_raw = [g._raw_by_selection() for g in gathers]
     proposals = [g._encode_local() for g in gathers]  # encodes queue on the side stream (CUDA)
+    if all(chose_raw) and all(g._raw_by_selection() for g in gathers):
+        # Selection chose raw for every bucket, before and after this gather's decision point. That
+        # choice is agreed across ranks (the selector agrees its inputs), so every rank takes this
+        # branch together: the plain gather needs no size table. (A rank's local failure, FLAG_FAILED,
+        # stays pending in that gather and reaches the others at the next agreement.)
+        plans = [Plan(raw=True) for _ in gathers]
+        for g, p in zip(gathers, plans):
+            g._apply_plan(p)
+        return plans
     mine = torch.empty(len(gathers), 2, dtype=torch.int64, device=device)
     mine[:, 0] = torch.tensor([flag for flag, _ in proposals], dtype=torch.int64)
     events = [g._encoded[1] for g in gathers if g._encoded is not None and g._encoded[1] is not None]

@@ -225,11 +225,11 @@ class CieraAllGather:
         is a 0-d int64 device tensor (not read here). Never raises: a failure is reported as
         ``FLAG_FAILED`` so that every rank learns it in the agreement."""
         self._check_idle("prepare()")
-        if self._failed:
-            return FLAG_FAILED, self._needed
         try:
-            mode = self._choose_mode()
+            mode = self._choose_mode()  # also after a failure: the selector's schedule stays rank-identical
             self._started += 1
+            if self._failed:
+                return FLAG_FAILED, self._needed
             if mode == "raw":
                 self._encoded = ("raw", None)
                 return FLAG_RAW, self._needed
@@ -240,6 +240,11 @@ class CieraAllGather:
                              self.name, self.rank)
             self._fail()
             return FLAG_FAILED, self._needed
+
+    def _raw_by_selection(self) -> bool:
+        """Selection has chosen raw for this bucket (rank-identical: the selector's inputs are
+        agreed). A local failure meanwhile stays pending and is reported at the next agreement."""
+        return bool(self._codecs) and self.selector is not None and self._codec_name is None
 
     def _apply_plan(self, plan: Plan) -> None:
         """Step 2's result: remember the plan; on a compressed plan write the payload offsets on

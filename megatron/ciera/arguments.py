@@ -266,6 +266,8 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None, *, de
 
     if args.bf16 and args.fp16:
         err("--bf16 and --fp16 are mutually exclusive")
+    if args.bf16 and args.accumulate_allreduce_grads_in_fp32 and args.main_grads_dtype != "fp32":
+        err("--accumulate-allreduce-grads-in-fp32 needs --main-grads-dtype fp32 (as in Megatron-LM)")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         err("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are exclusive "
             "(which schedule wins on load: the command line's or the checkpoint's)")
@@ -489,12 +491,25 @@ def _fill_model_defaults(args) -> None:
     if args.moe_ffn_hidden_size is None and args.num_experts is not None:
         args.moe_ffn_hidden_size = args.ffn_hidden_size
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    _grad_reduce_dtype_as_upstream(args)
     if args.start_weight_decay is None:
         args.start_weight_decay = args.weight_decay
     if args.end_weight_decay is None:
         args.end_weight_decay = args.weight_decay
     if args.device == "cpu":
         args.use_cpu_initialization = True
+
+
+def _grad_reduce_dtype_as_upstream(args) -> None:
+    """Megatron-LM's bf16 rule: gradients accumulate and reduce in fp32 (with fp32 main grads)
+    unless ``--grad-reduce-in-bf16``; without it a bf16 run here would reduce in bf16 and train
+    differently from the same command under Megatron-LM."""
+    if not args.bf16:
+        return
+    if args.grad_reduce_in_bf16:
+        args.accumulate_allreduce_grads_in_fp32 = False
+    elif args.main_grads_dtype == "fp32":
+        args.accumulate_allreduce_grads_in_fp32 = True
 
 
 def explicit_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:

@@ -58,3 +58,29 @@ def test_auto_codec_under_always_never_sends_raw():
     runs = run_on_ranks(_worker, world=2, args=(1e13, "auto", 16, "always"))
     assert all(r[0] == runs[0][0] for r in runs)
     assert all(m in ("exponent_reuse", "delta") for m in runs[0][0]) and runs[0][1].ratio > 1.2
+
+
+def _count_agreements(rank, world, steps):
+    """Fast link: selection chooses raw; count the size-agreement collectives per gather."""
+    import ciera.agreement as agreement
+
+    calls = []
+    real = agreement.all_gather_into
+    agreement.all_gather_into = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    try:
+        modes, stats, decisions = _worker(rank, world, 1e13, "auto", steps)
+    finally:
+        agreement.all_gather_into = real
+    return modes, len(calls), decisions
+
+
+def test_auto_that_chose_raw_skips_the_size_agreement():
+    """Once selection has chosen raw, a gather is a plain all-gather: no size table until the next
+    re-decision (the bits still match plain all_gather every step, checked in the worker)."""
+    steps = 30
+    runs = run_on_ranks(_count_agreements, world=2, args=(steps,))
+    modes, agreements, decisions = runs[0]
+    assert all(r[:2] == runs[0][:2] for r in runs), "ranks took different paths"
+    raw_from = modes.index(None)  # first gather after selection chose raw
+    assert all(m is None for m in modes[raw_from:]) and decisions >= 3
+    assert agreements <= raw_from + 1, (agreements, raw_from)  # only the gathers before raw was chosen

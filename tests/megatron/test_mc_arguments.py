@@ -11,8 +11,8 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "255", "--use-distributed-optimizer", "--bf16"]
 
 
-def parse(extra, world=1, **kw):
-    argv = BASE + extra
+def parse(extra, world=1, argv_base=BASE, **kw):
+    argv = argv_base + extra
     parser = arguments.build_parser()
     args = parser.parse_args(argv)
     args.explicit = arguments.explicit_dests(parser, argv)
@@ -31,6 +31,21 @@ def test_defaults_and_derived_values():
     assert args.ffn_hidden_size == 256 and args.kv_channels == 16 and args.max_position_embeddings == 64
     assert args.params_dtype == torch.bfloat16 and not args.ciera_allgather
     assert arguments.ciera_config_from_args(args) is None
+
+
+def test_bf16_reduces_gradients_in_fp32_as_upstream():
+    """Megatron-LM forces fp32 gradient accumulation and reduction for bf16 (fp32 main grads)
+    unless --grad-reduce-in-bf16; the DDP config carries it."""
+    from megatron.ciera import model
+
+    assert parse([]).accumulate_allreduce_grads_in_fp32
+    assert model.ddp_config(parse([])).grad_reduce_in_fp32
+    bf16_reduce = parse(["--grad-reduce-in-bf16"])
+    assert not bf16_reduce.accumulate_allreduce_grads_in_fp32
+    assert not model.ddp_config(bf16_reduce).grad_reduce_in_fp32
+    fp32_run = parse([], argv_base=[a for a in BASE if a != "--bf16"])
+    assert not fp32_run.accumulate_allreduce_grads_in_fp32
+    assert "needs --main-grads-dtype fp32" in error(["--accumulate-allreduce-grads-in-fp32", "--main-grads-dtype", "bf16"])
 
 
 def test_launch_script_flags_are_accepted():
