@@ -21,10 +21,9 @@ and its block's exceptions, in place. ``decode_many_triton`` runs the same kerne
 ``k x tiles`` programs.
 
 Full tiles load and store without masks (vectorised whatever the shard length); the partial last
-tile runs in a second launch of the same kernel with masks. Look-back: a ticket counter (cached,
-device side) numbers programs in the order they start, so a tile only waits for tiles that are
-already running; each flag word carries an epoch (the call's number, from the ticket) so that
-no flag ever needs clearing. All launches of one codec shape must be on one stream.
+tile runs in a second launch of the same kernel with masks. Look-back: :mod:`ciera.kernels.lookback`
+(tickets in start order, epoch-tagged flag words that never need clearing). All launches of one
+codec shape must be on one stream.
 """
 
 from __future__ import annotations
@@ -36,16 +35,14 @@ import triton
 import triton.language as tl
 
 from ciera.codecs.delta import DeltaLayout
+from ciera.kernels.lookback import look_back as _look_back
+from ciera.kernels.lookback import tile_ticket as _tile_id
 
 _TILE_VALUES = 2048
 """Values per tile (whole blocks, at least 2): 8 per thread with 8 warps."""
 _HIST_VALUES = 8192
 """Values per ``_hist`` program (no block structure there): amortises its per-bin atomics."""
 _NUM_WARPS = 8
-_EPOCHS = 1 << 18
-"""Flag words carry ``(epoch % _EPOCHS) + 1`` in bits 44..62, a 2-bit flag in 42..43 (1: the
-tile's own size, 2: sizes of every tile up to it) and the byte count in bits 0..41."""
-
 REPORT_LOOP_TRIPS = {"_encode_tiles": 2, "_decode_tiles": 2}
 """Trips of each runtime loop, for tools/kernel_report.py: the look-back reads one or two flags
 (the tile before has usually published its inclusive prefix); the decoder's exception loop takes
@@ -61,44 +58,6 @@ def _bit_length(z, W: tl.constexpr):
     else:
         e = (z.to(tl.float64).to(tl.int64, bitcast=True) >> 52) & 0x7FF
         return tl.where(z == 0, 0, e - 1022)
-
-
-@triton.jit
-def _tile_id(counter_ptr, k, n_full, n_tiles, EVEN: tl.constexpr):
-    """(epoch, row, tile) of this program from a ticket: programs are numbered in the order they
-    start, so look-back only ever waits on running programs. Full tiles come from the main launch
-    (``EVEN``), the partial last tile of every row from the second one."""
-    t = tl.atomic_add(counter_ptr, 1)
-    per_call = k * n_tiles
-    epoch = t // per_call
-    rem = t % per_call
-    if EVEN:
-        row = rem // n_full
-        vid = rem % n_full
-    else:
-        row = rem - k * n_full
-        vid = rem * 0 + n_tiles - 1
-    return epoch, row, vid
-
-
-@triton.jit
-def _look_back(flags_ptr, vid, total, epoch):
-    """Decoupled look-back: publish this tile's ``total`` bytes, return the bytes of all earlier
-    tiles of its chain (``flags_ptr[0 .. vid)``)."""
-    tag = ((epoch % 262144) + 1) << 44
-    first = vid == 0
-    tl.atomic_xchg(flags_ptr + vid, tag | (tl.where(first, 2, 1).to(tl.int64) << 42) | total)
-    prefix = total * 0
-    j = vid - 1
-    while j >= 0:
-        word = tl.atomic_add(flags_ptr + j, 0)
-        state = (word >> 42) & 3
-        ready = ((word >> 44) == (tag >> 44)) & (state != 0)
-        prefix += tl.where(ready, word & 4398046511103, 0)
-        j = tl.where(ready & (state == 2), -1, tl.where(ready, j - 1, j))
-    if vid > 0:
-        tl.atomic_xchg(flags_ptr + vid, tag | (2 << 42) | (prefix + total))
-    return prefix
 
 
 @triton.jit
