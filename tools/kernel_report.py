@@ -27,12 +27,14 @@ Per kernel and per path it prints, for sm_80 and sm_90:
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import dataclasses
 import importlib
 import inspect
 import json
 import math
+import multiprocessing
 import os
 import re
 import subprocess
@@ -192,23 +194,26 @@ class KernelStats:
 _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
-def _sass(cubin: bytes) -> tuple[str, str]:
+def _sass(cubin: bytes, disassemble: bool) -> tuple[str, str]:
+    """(SASS or "", resource usage) of a cubin, from one cuobjdump run."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        sass = subprocess.run([_nvidia_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
-        res = subprocess.run([_nvidia_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
+        flags = ["-sass", "-res-usage"] if disassemble else ["-res-usage"]
+        out = subprocess.run([_nvidia_tool("cuobjdump"), *flags, f.name], capture_output=True, text=True,
                              check=True).stdout
-    return sass, res
+    return (out if disassemble else ""), out
 
 
-def kernel_stats(launch: Launch, trips_of) -> KernelStats:
+def kernel_stats(launch: Launch, trips_of, count: bool = True) -> KernelStats:
     """Resources and instruction counts of one compiled kernel; ``trips_of(launch)``: trips of
-    each of its loops (None: the kernel declares none)."""
-    sass, res = _sass(launch.compiled.asm["cubin"])
+    each of its loops (None: the kernel declares none). ``count=False``: resources only (no
+    disassembly; the instruction fields are None)."""
+    sass, res = _sass(launch.compiled.asm["cubin"], count)
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res)
     regs, stack, shared, local = (int(x) for x in m.groups())
+    if not count:
+        return KernelStats(regs, stack + local, shared + launch.compiled.metadata.shared, None, None, [], {})
     instr = []  # (address, opcode, operands)
     for line in sass.splitlines():
         mm = _SASS_LINE.search(line)
@@ -318,8 +323,10 @@ def wire_bytes(codec, ratio: float) -> float:
     return max(ratio * codec.numel * codec.fmt.itemsize, codec.fixed_bytes)
 
 
-def run_path(codec_name: str, dtype: torch.dtype, arch: int, numel: int, ratio: float, world: int):
-    """Record every launch of the encode, decode and batched decode of one codec and dtype."""
+def run_path(codec_name: str, dtype: torch.dtype, arch: int, numel: int, ratio: float, world: int,
+             count: bool = True):
+    """Record every launch of the encode, decode and batched decode of one codec and dtype
+    (``count=False``: compile and read resources, but do not disassemble and count)."""
     cls = REGISTRY.get(codec_name)
     codec = cls(dtype=dtype, numel=numel, backend="triton")
     module = importlib.import_module(cls.kernels)
@@ -364,7 +371,7 @@ def run_path(codec_name: str, dtype: torch.dtype, arch: int, numel: int, ratio: 
                     shared=0, loops=0, sass_static=0, sass_per_program=0, instr_per_value=0.0,
                     bytes_per_value=launch.constants["bytes"] / values, access={}, mem_ops={}))
                 continue
-            st = kernel_stats(launch, _loop_trips(module))
+            st = kernel_stats(launch, _loop_trips(module), count)
             access = argument_access(launch.compiled.asm["ttir"])
             nbytes = 0.0
             for name, mode in access.items():
@@ -379,8 +386,10 @@ def run_path(codec_name: str, dtype: torch.dtype, arch: int, numel: int, ratio: 
                 codec=codec_name, dtype=str(dtype).replace("torch.", ""), arch=f"sm_{arch}", path=path,
                 kernel=launch.name, grid=programs, warps=warps, values_per_program=values / programs,
                 regs=st.regs, spill_bytes=st.spill_bytes, shared=st.shared, loops=len(st.loops), loop_bodies=st.loops,
-                sass_static=st.static_instructions, sass_per_program=st.dynamic_instructions * warps,
-                instr_per_value=st.dynamic_instructions * warps * programs / values,
+                sass_static=st.static_instructions,
+                sass_per_program=None if st.dynamic_instructions is None else st.dynamic_instructions * warps,
+                instr_per_value=None if st.dynamic_instructions is None else
+                st.dynamic_instructions * warps * programs / values,
                 bytes_per_value=nbytes / values, access=access, mem_ops=st.ldg_widths))
     for r in rows:
         r["wire_per_value"] = wire / numel
@@ -398,20 +407,26 @@ def summarise(rows, itemsize_of, ratio_of):
         if r["kernel"].startswith("torch."):
             s["torch_ops"] += 1
             s["glue_bytes_per_value"] += r["bytes_per_value"]
-        s["instr_per_value"] += r["instr_per_value"]
+        s["instr_per_value"] = None if s["instr_per_value"] is None or r["instr_per_value"] is None else \
+            s["instr_per_value"] + r["instr_per_value"]
         s["bytes_per_value"] += r["bytes_per_value"]
         s["spills"] = max(s["spills"], r["spill_bytes"])
         s["max_regs"] = max(s["max_regs"], r["regs"])
         s["wire_per_value"] = r["wire_per_value"]
     for (codec, dtype, arch, path), s in out.items():
-        s["issue_gvals"] = H200.issue_rate / s["instr_per_value"] / 1e9
+        s["issue_gvals"] = None if s["instr_per_value"] is None else H200.issue_rate / s["instr_per_value"] / 1e9
         s["bw_gvals"] = H200.hbm_gbs / s["bytes_per_value"]
         s["min_bytes"], s["format_min_bytes"], s["min_which"] = minimal_bytes(
             codec, path.split("(")[0].replace("decode_many", "decode"), itemsize_of[dtype], s["wire_per_value"])
         s["bytes_vs_min"] = s["bytes_per_value"] / s["min_bytes"]
         s["bytes_vs_format_min"] = s["bytes_per_value"] / s["format_min_bytes"]
-        s["ceiling_gbs"] = min(s["issue_gvals"], s["bw_gvals"]) * itemsize_of[dtype]
+        s["ceiling_gbs"] = min(s["issue_gvals"] or math.inf, s["bw_gvals"]) * itemsize_of[dtype]
     return out
+
+
+def _num(x, digits: int) -> str:
+    """``x`` to ``digits`` decimals; "not counted" for an arch the run did not disassemble."""
+    return "not counted" if x is None else f"{x:.{digits}f}"
 
 
 def markdown(rows, summary, args) -> str:
@@ -426,9 +441,9 @@ def markdown(rows, summary, args) -> str:
     for (codec, dtype, arch, path), s in sorted(summary.items()):
         if arch != "sm_90":
             continue
-        lines.append(f"| {codec} | {dtype} | {path} | {s['launches']} ({s['torch_ops']}) | {s['instr_per_value']:.2f} | "
+        lines.append(f"| {codec} | {dtype} | {path} | {s['launches']} ({s['torch_ops']}) | {_num(s['instr_per_value'], 2)} | "
                      f"{s['bytes_per_value']:.2f} | {s['min_bytes']:.2f} | {s['bytes_vs_min']:.2f}x | "
-                     f"{s['format_min_bytes']:.2f} | {s['bytes_vs_format_min']:.2f}x | {s['issue_gvals']:.0f} | {s['bw_gvals']:.0f} | {s['ceiling_gbs']:.0f} | {s['max_regs']} | "
+                     f"{s['format_min_bytes']:.2f} | {s['bytes_vs_format_min']:.2f}x | {_num(s['issue_gvals'], 0)} | {s['bw_gvals']:.0f} | {s['ceiling_gbs']:.0f} | {s['max_regs']} | "
                      f"{s['spills']} |")
     lines += ["", "SASS warp-instructions count the Triton kernels only (torch ops between them: their bytes "
               "count, their instructions do not). Bytes: each tensor a kernel loads from or stores to, once "
@@ -453,11 +468,17 @@ def markdown(rows, summary, args) -> str:
             continue
         lines.append(f"| {r['codec']} | {r['dtype']} | {r['arch']} | {r['path']} | `{r['kernel']}` | {r['grid']} | "
                      f"{r['warps']} | {r['values_per_program']:.0f} | {r['regs']} | {r['spill_bytes']} | "
-                     f"{r['shared']} | {r['loops']} | {r['sass_per_program']:.0f} | {r['instr_per_value']:.2f} | "
+                     f"{r['shared']} | {r['loops']} | {_num(r['sass_per_program'], 0)} | {_num(r['instr_per_value'], 2)} | "
                      f"{r['bytes_per_value']:.2f} |")
     for (codec, dtype, arch, path), (ops, b) in glue.items():
         lines.append(f"| {codec} | {dtype} | {arch} | {path} | torch glue ({ops} ops) | | | | | | | | | | {b:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def _run_task(task) -> list:
+    codec, dname, arch, numel, ratio, world, count = task
+    torch.set_num_threads(1)  # the torch glue is tiny; the processes share the cores
+    return run_path(codec, DTYPES[dname], arch, numel, ratio, world, count)
 
 
 def main(argv=None):
@@ -470,13 +491,26 @@ def main(argv=None):
     p.add_argument("--ratio-delta", type=float, default=RATIO["delta"])
     p.add_argument("--ratio-er", type=float, default=RATIO["exponent_reuse"])
     p.add_argument("--json", type=Path, help="write rows and summary here")
+    p.add_argument("--count-archs", nargs="+", type=int, default=None,
+                   help="archs whose SASS is disassembled and counted (default: all of --archs); the others "
+                        "are compiled and their registers, spills and shared memory read, nothing more")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="processes compiling (codec, dtype, arch) combinations side by side")
     args = p.parse_args(argv)
     ratio_of = {"delta": args.ratio_delta, "exponent_reuse": args.ratio_er}
+    counted = set(args.archs if args.count_archs is None else args.count_archs)
+    tasks = [(codec, dname, arch, args.numel, ratio_of[codec], args.world, arch in counted)
+             for codec in args.codecs for dname in args.dtypes for arch in args.archs]
     rows = []
-    for codec in args.codecs:
-        for dname in args.dtypes:
-            for arch in args.archs:
-                rows += run_path(codec, DTYPES[dname], arch, args.numel, ratio_of[codec], args.world)
+    if args.jobs > 1 and len(tasks) > 1:
+        # spawn: a fresh interpreter per worker (no fork of a process holding torch's thread pools)
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(max_workers=min(args.jobs, len(tasks)), mp_context=ctx) as pool:
+            for part in pool.map(_run_task, tasks):
+                rows += part
+    else:
+        for task in tasks:
+            rows += _run_task(task)
     itemsize_of = {str(d).replace("torch.", ""): d.itemsize for d in DTYPES.values()}
     summary = summarise(rows, itemsize_of, ratio_of)
     print(markdown(rows, summary, args))
