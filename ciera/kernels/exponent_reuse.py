@@ -91,11 +91,45 @@ def _st(ptr, value, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _fields(bits_ptr, state_ptr, out_ptr, offs, inside, off_signmant, off_planes, plane_bytes,
+def _store_sm24(out_ptr, off_signmant, first, sm, N: tl.constexpr):
+    """Sign|mantissa (24 bits each) of ``N`` contiguous fp32 values from value ``first``: three
+    little-endian 32-bit words per 4 values (the same bytes as 3 byte stores per value)."""
+    even, odd = tl.split(tl.reshape(sm, [N // 4, 2, 2]))  # [N/4, 2]: values 4g + 2j, 4g + 2j + 1
+    s0, s2 = tl.split(even)
+    s1, s3 = tl.split(odd)
+    # off_signmant (the 32-byte header) and first * 3 (first: a multiple of 4) are word aligned
+    words = (out_ptr + off_signmant + first * 3).to(tl.pointer_type(tl.int32), bitcast=True)
+    g3 = tl.arange(0, N // 4) * 3
+    tl.store(words + g3, s0 | (s1 << 24))
+    tl.store(words + g3 + 1, (s1 >> 8) | (s2 << 16))
+    tl.store(words + g3 + 2, (s2 >> 16) | (s3 << 8))
+
+
+@triton.jit
+def _load_sm24(payload_ptr, off_signmant, first, TB: tl.constexpr, BC: tl.constexpr):
+    """Inverse of :func:`_store_sm24` for a ``[TB, BC]`` chunk of contiguous values."""
+    N: tl.constexpr = TB * BC
+    words = (payload_ptr + off_signmant + first * 3).to(tl.pointer_type(tl.int32), bitcast=True)
+    g3 = tl.arange(0, N // 4) * 3
+    w0 = tl.load(words + g3)
+    w1 = tl.load(words + g3 + 1)
+    w2 = tl.load(words + g3 + 2)
+    s0 = w0 & 0xFFFFFF
+    s1 = ((w0 >> 24) & 0xFF) | ((w1 & 0xFFFF) << 8)
+    s2 = ((w1 >> 16) & 0xFFFF) | ((w2 & 0xFF) << 16)
+    s3 = (w2 >> 8) & 0xFFFFFF
+    return tl.reshape(tl.join(tl.join(s0, s2), tl.join(s1, s3)), [TB, BC])
+
+
+@triton.jit
+def _fields(bits_ptr, state_ptr, out_ptr, offs, inside, first, off_signmant, off_planes, plane_bytes,
             TB: tl.constexpr, BC: tl.constexpr, TOTAL_BITS: tl.constexpr, EXP_BITS: tl.constexpr,
-            MANT_BITS: tl.constexpr, SM_BYTES: tl.constexpr, N_PLANES: tl.constexpr, EVEN: tl.constexpr):
+            MANT_BITS: tl.constexpr, SM_BYTES: tl.constexpr, N_PLANES: tl.constexpr, WORDS: tl.constexpr,
+            EVEN: tl.constexpr):
     """One ``[TB, BC]`` chunk of the encoder: writes its sign|mantissa bytes, bit planes and new
-    exponents (into ``state``); returns (new exponents, 1 per block row where one differs)."""
+    exponents (into ``state``); returns (new exponents, 1 per block row where one differs).
+    ``WORDS``: the chunk is ``TB * BC`` contiguous values from ``first`` and fp32's 3 bytes per
+    value go out as words (full tiles; a partial one stores bytes, exactly up to the shard's end)."""
     x = _ld(bits_ptr + offs, inside, EVEN).to(tl.int32)
     # Fields, all masked after shifting: the sign extension of 16-bit patterns never leaks.
     exp = (x >> MANT_BITS) & ((1 << EXP_BITS) - 1)
@@ -108,8 +142,11 @@ def _fields(bits_ptr, state_ptr, out_ptr, offs, inside, off_signmant, off_planes
         diff = ((exp != old) & inside).to(tl.int32)
     # Each value's state byte is read and written by this program only.
     _st(state_ptr + offs, exp.to(tl.uint8), inside, EVEN)
-    for k in tl.static_range(SM_BYTES):
-        _st(out_ptr + off_signmant + offs * SM_BYTES + k, ((sm >> (8 * k)) & 0xFF).to(tl.uint8), inside, EVEN)
+    if WORDS and EVEN:
+        _store_sm24(out_ptr, off_signmant, first, sm, TB * BC)
+    else:
+        for k in tl.static_range(SM_BYTES):
+            _st(out_ptr + off_signmant + offs * SM_BYTES + k, ((sm >> (8 * k)) & 0xFF).to(tl.uint8), inside, EVEN)
     if N_PLANES > 0:
         # Groups of 8 consecutive values make one byte of each plane: BC >= 8, or BC == B < 8 and
         # the chunk is TB * B contiguous values; either way row-major groups of 8 are consecutive.
@@ -133,21 +170,22 @@ def _encode_tiles(bits_ptr, state_ptr, out_ptr, counter_ptr, flags_ptr, needed_p
                   off_signmant, off_planes, plane_bytes, off_bitmap, off_exps, slots,
                   B: tl.constexpr, TB: tl.constexpr, BC: tl.constexpr, TOTAL_BITS: tl.constexpr,
                   EXP_BITS: tl.constexpr, MANT_BITS: tl.constexpr, SM_BYTES: tl.constexpr,
-                  N_PLANES: tl.constexpr, EVEN: tl.constexpr):
+                  N_PLANES: tl.constexpr, WORDS: tl.constexpr, EVEN: tl.constexpr):
     epoch, _, tile = tile_ticket(counter_ptr, 1, n_full, n_tiles, EVEN)
     blocks = tile * TB + tl.arange(0, TB)                     # [TB] block ids of this tile
     cols = tl.arange(0, BC)
     if B == BC:  # one chunk: the new exponents stay in registers
         offs = blocks[:, None] * B + cols[None, :]            # [TB, BC] value index (int64)
         inside = offs < n
-        exp, changed = _fields(bits_ptr, state_ptr, out_ptr, offs, inside, off_signmant, off_planes, plane_bytes,
-                               TB, BC, TOTAL_BITS, EXP_BITS, MANT_BITS, SM_BYTES, N_PLANES, EVEN)
+        exp, changed = _fields(bits_ptr, state_ptr, out_ptr, offs, inside, tile * TB * B, off_signmant, off_planes,
+                               plane_bytes, TB, BC, TOTAL_BITS, EXP_BITS, MANT_BITS, SM_BYTES, N_PLANES, WORDS, EVEN)
     else:
         changed = tl.zeros([TB], dtype=tl.int32)              # 1 where some exponent differs
         for j in range(0, B, BC):
             offs = blocks[:, None] * B + j + cols[None, :]
-            _, c = _fields(bits_ptr, state_ptr, out_ptr, offs, offs < n, off_signmant, off_planes, plane_bytes,
-                           TB, BC, TOTAL_BITS, EXP_BITS, MANT_BITS, SM_BYTES, N_PLANES, EVEN)
+            _, c = _fields(bits_ptr, state_ptr, out_ptr, offs, offs < n, tile * TB * B + j, off_signmant,
+                           off_planes, plane_bytes, TB, BC, TOTAL_BITS, EXP_BITS, MANT_BITS, SM_BYTES, N_PLANES,
+                           False, EVEN)
             changed = tl.maximum(changed, c)
     # TB is a multiple of 8: this tile owns bitmap bytes [tile * TB / 8, (tile + 1) * TB / 8).
     bm = tl.sum(tl.reshape(changed, [TB // 8, 8]) * (1 << tl.arange(0, 8))[None, :], axis=1)
@@ -177,7 +215,7 @@ def _decode_tiles(payload_ptr, target_ptr, counter_ptr, flags_ptr, rows_ptr, off
                   n_tiles, capacity, off_signmant, off_planes, plane_bytes, off_bitmap, off_exps,
                   B: tl.constexpr, TB: tl.constexpr, BC: tl.constexpr, TOTAL_BITS: tl.constexpr,
                   EXP_BITS: tl.constexpr, MANT_BITS: tl.constexpr, SM_BYTES: tl.constexpr,
-                  N_PLANES: tl.constexpr, BATCHED: tl.constexpr, EVEN: tl.constexpr):
+                  N_PLANES: tl.constexpr, WORDS: tl.constexpr, BATCHED: tl.constexpr, EVEN: tl.constexpr):
     epoch, row, tile = tile_ticket(counter_ptr, k, n_full, n_tiles, EVEN)
     if BATCHED:
         # Payloads start 16-byte aligned (see Codec.decode_many): lets the sign|mantissa bytes vectorise.
@@ -194,10 +232,13 @@ def _decode_tiles(payload_ptr, target_ptr, counter_ptr, flags_ptr, rows_ptr, off
     for j in range(0, B, BC):
         offs = blocks[:, None] * B + j + cols[None, :]
         inside = offs < n
-        sm = tl.zeros([TB, BC], dtype=tl.int32)
-        for b in tl.static_range(SM_BYTES):
-            byte = _ld(payload_ptr + off_signmant + offs * SM_BYTES + b, inside, EVEN)
-            sm = sm | (byte.to(tl.int32) << (8 * b))
+        if WORDS and EVEN:  # fp32, contiguous chunk (B == BC), full tile: 3 words per 4 values
+            sm = _load_sm24(payload_ptr, off_signmant, tile * TB * B, TB, BC)
+        else:
+            sm = tl.zeros([TB, BC], dtype=tl.int32)
+            for b in tl.static_range(SM_BYTES):
+                byte = _ld(payload_ptr + off_signmant + offs * SM_BYTES + b, inside, EVEN)
+                sm = sm | (byte.to(tl.int32) << (8 * b))
         if N_PLANES > 0:
             # One byte per plane per group of 8 values, combined into one word (plane p at bits
             # 8 p ..), then spread back to the group's values.
@@ -249,7 +290,8 @@ def _encode(*, layout: ExponentReuseLayout, shard_bits: torch.Tensor, state: tor
     needed = s["needed"]
     args = (shard_bits, state, out, s["counter"], s["flags"], needed, n, nb, n_full, n_tiles, layout.off_signmant,
             layout.off_planes, layout.plane_bytes, layout.off_bitmap, layout.off_exps, layout.slots(out.numel()))
-    kw = dict(B=B, TB=tb, BC=bc, **_fmt_args(layout), num_warps=_NUM_WARPS)
+    kw = dict(B=B, TB=tb, BC=bc, **_fmt_args(layout), WORDS=layout.sm_bytes == 3 and bc == B,
+              num_warps=_NUM_WARPS)
     if n_full:
         _encode_tiles[(n_full,)](*args, EVEN=True, **kw)
     if n_tiles > n_full:
@@ -266,7 +308,8 @@ def _decode_rows(layout: ExponentReuseLayout, payload: torch.Tensor, targets: to
     args = (payload, targets, s["counter"], s["flags"], rows, offsets, n, k, nb, n_full, n_tiles,
             0 if batched else payload.numel(), layout.off_signmant, layout.off_planes, layout.plane_bytes,
             layout.off_bitmap, layout.off_exps)
-    kw = dict(B=B, TB=tb, BC=bc, **_fmt_args(layout), BATCHED=batched, num_warps=_NUM_WARPS)
+    kw = dict(B=B, TB=tb, BC=bc, **_fmt_args(layout), WORDS=layout.sm_bytes == 3 and bc == B, BATCHED=batched,
+              num_warps=_NUM_WARPS)
     if n_full:
         _decode_tiles[(k * n_full,)](*args, EVEN=True, **kw)
     if n_tiles > n_full:
