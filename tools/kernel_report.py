@@ -21,7 +21,10 @@ Per kernel and per path it prints, for sm_80 and sm_90:
   per second) and bandwidth-bound (4.8 TB/s), in G values/s. Both ignore launch latency,
   occupancy and cache effects: they are upper bounds, not measurements.
 
-``python tools/kernel_report.py`` (markdown on stdout; ``--json FILE`` for machines).
+``python tools/kernel_report.py`` (markdown on stdout; ``--json FILE`` for machines). The
+(codec, dtype, arch) combinations compile in ``--jobs`` processes; ``--count-archs 90`` compiles
+every arch but disassembles and counts only sm_90 (the CI test's setting: compile-everything at
+half the disassembly).
 """
 
 from __future__ import annotations
