@@ -35,8 +35,6 @@ also fits int32; the rebuilt fp32 pattern sets bit 31 through a wrapping int32 s
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl

@@ -8,7 +8,7 @@ number) gets it in the same launch, without a separate count-then-scan pass over
 * :func:`look_back` publishes the tile's own total, walks back over earlier tiles' flag words
   until one carries an inclusive prefix, then publishes its own inclusive prefix.
 
-Flag words carry ``(epoch % _EPOCHS) + 1`` in bits 44..62 (the call's number, from the ticket, so
+Flag words carry ``(epoch % 2^18) + 1`` in bits 44..62 (the call's number, from the ticket, so
 no flag ever needs clearing), a 2-bit state in 42..43 (1: the tile's own total, 2: the inclusive
 prefix up to it) and the count in bits 0..41. All launches that share one scratch (one ticket
 counter) must run one after the other on one stream, each call with the same ``k x n_tiles``.
@@ -21,8 +21,6 @@ import functools
 import torch
 import triton
 import triton.language as tl
-
-_EPOCHS = 1 << 18
 
 
 @triton.jit
