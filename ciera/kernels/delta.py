@@ -244,10 +244,18 @@ def _decode_tiles(payload_ptr, target_ptr, counter_ptr, flags_ptr, rows_ptr, off
         byte = tl.load(payload_ptr + at + t, mask=need & (at + t < plen), other=0)
         zz |= byte.to(UT) << (8 * t)
     z = (zz >> (bitpos & 7).to(UT)) & ((tl.full(w.shape, 1, UT) << w) - 1)
-    # Exceptions, XR records a trip: record r belongs to the last block whose first record is <= r.
+    u = (old + ((z >> 1) ^ -(z & 1))) & ((1 << W) - 1)
+    if EVEN:
+        tl.store(target_ptr + offs, u.to(target_ptr.dtype.element_ty))
+    else:
+        tl.store(target_ptr + offs, u.to(target_ptr.dtype.element_ty), mask=valid)
+    # Exceptions, XR records a trip, each rewrites its value after the store above (a barrier
+    # orders the two stores): record r belongs to the last block whose first record is <= r; its
+    # previous bits and low bits come from one gather of (old | low << W) over the tile.
     xpre = tl.cumsum(cnt, axis=0) - cnt
     n_exc = tl.sum(cnt, axis=0)
-    hi_v = tl.zeros([T], UT)
+    packed = tl.reshape(old | (z << W), [T])
+    tl.debug_barrier()
     for r0 in range(0, n_exc, XR):
         r = r0 + tl.arange(0, XR)
         live = r < n_exc
@@ -262,15 +270,13 @@ def _decode_tiles(payload_ptr, target_ptr, counter_ptr, flags_ptr, rows_ptr, off
         hi = tl.zeros([XR], UT)
         for t in tl.static_range(S):
             hi |= tl.load(payload_ptr + base + count * I + rank * S + t, mask=live, other=0).to(UT) << (8 * t)
-        hit = tl.histogram(br * B + idx, T, mask=live)  # 0/1 per value of the tile
-        at_r = tl.maximum(tl.cumsum(hit, axis=0) - 1, 0)
-        hi_v |= tl.where(hit > 0, tl.gather(hi, at_r, 0), 0)
-    z |= tl.reshape(hi_v, [TB, NG, G]) << w
-    u = (old + ((z >> 1) ^ -(z & 1))) & ((1 << W) - 1)
-    if EVEN:
-        tl.store(target_ptr + offs, u.to(target_ptr.dtype.element_ty))
-    else:
-        tl.store(target_ptr + offs, u.to(target_ptr.dtype.element_ty), mask=valid)
+        v = br * B + (idx & (B - 1))
+        pk = tl.gather(packed, v, 0)
+        o = pk & ((1 << W) - 1)
+        wv = tl.load(payload_ptr + pbase + off_table + ((o >> MANT) & EXPMASK)).to(UT)
+        zx = (((pk >> W) & ((1 << W) - 1)) | (hi << wv)) & ((1 << W) - 1)
+        ux = (o + ((zx >> 1) ^ -(zx & 1))) & ((1 << W) - 1)
+        tl.store(target_ptr + vid * T + v, ux.to(target_ptr.dtype.element_ty), mask=live)
 
 
 # -- launchers -------------------------------------------------------------------------------------
