@@ -16,9 +16,10 @@ encode (3 kernels, a 4th for a partial last tile; no torch glue):
    exception records and the new sender state. The last tile writes the bytes needed.
 
 decode (1 kernel, a 2nd for a partial last tile): ``_decode_tiles``, per tile: widths from the
-previous values and the payload's table, block sizes, the same look-back, then every value's bits
-and its block's exceptions, in place. ``decode_many_triton`` runs the same kernels over
-``k x tiles`` programs.
+previous values and the payload's table, block sizes, the same look-back, then every value's low
+bits (two aligned 32-bit word loads per value; byte loads when the payload buffer is not 4-aligned
+or not a multiple of 4 bytes long), stored in place; then each exception record rewrites its one
+value. ``decode_many_triton`` runs the same kernels over ``k x tiles`` programs.
 
 Full tiles load and store without masks (vectorised whatever the shard length); the partial last
 tile runs in a second launch of the same kernel with masks. Look-back: :mod:`ciera.kernels.lookback`
@@ -43,6 +44,8 @@ _TILE_VALUES = 2048
 _HIST_VALUES = 8192
 """Values per ``_hist`` program (no block structure there): amortises its per-bin atomics."""
 _NUM_WARPS = 8
+_DECODE_WARPS = 4
+"""Decode: 16 values per thread (fewer instructions per value; under 128 registers for every dtype)."""
 REPORT_LOOP_TRIPS = {"_encode_tiles": 2, "_decode_tiles": 2}
 """Trips of each runtime loop, for tools/kernel_report.py: the look-back reads one or two flags
 (the tile before has usually published its inclusive prefix); the decoder's exception loop takes
@@ -161,17 +164,20 @@ def _encode_tiles(shard_ptr, state_ptr, out_ptr, counter_ptr, flags_ptr, needed_
     low = tl.reshape(z & ((tl.full(w.shape, 1, UT) << w) - 1), [T]).to(tl.int64)
     kw = p >> 5
     a = low << (p & 31).to(tl.int64)
+    # D_k = csum[e_{k+1} - 1] - csum[e_k - 1] (e_k: values before word k) sums segment k's A:
+    # its low half is word k's part, its high half spills into word k + 1.
     csum = tl.cumsum(a, axis=0)
     c1 = tl.histogram(kw, NW, mask=kw < NW)
-    c2 = tl.histogram(kw + 1, NW, mask=kw + 1 < NW)
     e_k = tl.cumsum(c1, axis=0) - c1
     l0 = e_k + c1 - 1
     l1 = e_k - 1
-    l2 = e_k - c2 - 1
     s0 = tl.where(l0 >= 0, tl.gather(csum, tl.maximum(l0, 0), 0), 0)
     s1 = tl.where(l1 >= 0, tl.gather(csum, tl.maximum(l1, 0), 0), 0)
-    s2 = tl.where(l2 >= 0, tl.gather(csum, tl.maximum(l2, 0), 0), 0)
-    word = ((s0 - s1) & 0xFFFFFFFF) | (((s1 - s2) >> 32) & 0xFFFFFFFF)
+    dk = s0 - s1
+    spill = (dk >> 32).to(tl.int32)
+    kk = tl.arange(0, NW)
+    prev_spill = tl.where(kk > 0, tl.gather(spill, tl.maximum(kk - 1, 0), 0), 0)
+    word = (dk & 0xFFFFFFFF) | (prev_spill.to(tl.int64) & 0xFFFFFFFF)
     q = tl.arange(0, NW)[:, None] * 4 + tl.arange(0, 4)[None, :]
     byte = (word[:, None] >> (tl.arange(0, 4) * 8).to(tl.int64)[None, :]) & 0xFF
     tl.store(out_ptr + tile_start + q, byte.to(tl.uint8), mask=tile_start + q < fit_end)
@@ -201,7 +207,7 @@ def _decode_tiles(payload_ptr, target_ptr, counter_ptr, flags_ptr, rows_ptr, off
                   W: tl.constexpr, MANT: tl.constexpr, EXPMASK: tl.constexpr, B: tl.constexpr, G: tl.constexpr,
                   NG: tl.constexpr, TB: tl.constexpr, C: tl.constexpr, RAW_MARK: tl.constexpr, I: tl.constexpr,
                   S: tl.constexpr, XR: tl.constexpr, UT: tl.constexpr, BATCHED: tl.constexpr,
-                  EVEN: tl.constexpr):
+                  WORDS: tl.constexpr, EVEN: tl.constexpr):
     T: tl.constexpr = TB * B
     epoch, row, vid = _tile_id(counter_ptr, k, n_full, n_tiles, EVEN)
     if BATCHED:
@@ -235,15 +241,32 @@ def _decode_tiles(payload_ptr, target_ptr, counter_ptr, flags_ptr, rows_ptr, off
     tile_start = pbase + off_data + _look_back(flags_ptr + row * n_tiles, vid, total, epoch)
     bstart = tile_start + (tl.cumsum(bsize, axis=0) - bsize)
     exc_start = bstart + tl.sum(gbytes, axis=1)
-    gstart = bstart[:, None] + (tl.cumsum(gbytes, axis=1) - gbytes)
-    bitpos = gstart[:, :, None] * 8 + (tl.cumsum(w.to(tl.int32), axis=2) - w.to(tl.int32))
-    at = bitpos >> 3
     need = w > 0
-    zz = tl.zeros([TB, NG, G], UT)
-    for t in tl.static_range(W // 8 + 1):
-        byte = tl.load(payload_ptr + at + t, mask=need & (at + t < plen), other=0)
-        zz |= byte.to(UT) << (8 * t)
-    z = (zz >> (bitpos & 7).to(UT)) & ((tl.full(w.shape, 1, UT) << w) - 1)
+    if WORDS:
+        # Little-endian 32-bit words (payload 4-aligned, length a multiple of 4): bit q of the
+        # tile's words is bit q % 32 of word q // 32 from the word holding the tile's first byte;
+        # a value spans at most 2 words. Per-value math in 32 bits.
+        w32 = w.to(tl.int32)
+        head = tile_start & 3
+        grel = (bstart - tile_start).to(tl.int32)[:, None] + (tl.cumsum(gbytes, axis=1) - gbytes)
+        q = grel[:, :, None] * 8 + (tl.cumsum(w32, axis=2) - w32) + (head * 8).to(tl.int32)
+        wbase = (payload_ptr + (tile_start - head)).to(tl.pointer_type(tl.uint32))
+        lim = tl.minimum((plen - (tile_start - head)) >> 2, 1 << 30).to(tl.int32)  # words left
+        wq = q >> 5
+        sh = (q & 31).to(tl.uint32)
+        w_lo = tl.load(wbase + wq, mask=need & (wq < lim), other=0)
+        w_hi = tl.load(wbase + wq + 1, mask=need & ((q & 31) + w32 > 32) & (wq + 1 < lim), other=0)
+        zz = (w_lo >> sh) | ((w_hi << 1) << (31 - sh))
+        z = zz.to(UT) & ((tl.full(w.shape, 1, UT) << w) - 1)
+    else:
+        gstart = bstart[:, None] + (tl.cumsum(gbytes, axis=1) - gbytes)
+        bitpos = gstart[:, :, None] * 8 + (tl.cumsum(w.to(tl.int32), axis=2) - w.to(tl.int32))
+        at = bitpos >> 3
+        zz = tl.zeros([TB, NG, G], UT)
+        for t in tl.static_range(W // 8 + 1):
+            byte = tl.load(payload_ptr + at + t, mask=need & (at + t < plen), other=0)
+            zz |= byte.to(UT) << (8 * t)
+        z = (zz >> (bitpos & 7).to(UT)) & ((tl.full(w.shape, 1, UT) << w) - 1)
     u = (old + ((z >> 1) ^ -(z & 1))) & ((1 << W) - 1)
     if EVEN:
         tl.store(target_ptr + offs, u.to(target_ptr.dtype.element_ty))
@@ -353,7 +376,9 @@ def _decode(layout: DeltaLayout, payload: torch.Tensor, targets: torch.Tensor, r
     s = _scratch(layout, payload.device, k, "decode_many" if batched else "decode")
     args = (payload, targets, s["counter"], s["flags"], rows, offsets, layout.numel, k, sh.n_full, sh.n_tiles,
             layout.n_blocks, payload.numel(), layout.off_table, layout.off_counts, layout.off_data)
-    kw = dict(XR=max(16, sh.T // 8), BATCHED=batched, **sh.consts, num_warps=_NUM_WARPS)
+    # 32-bit word loads of the bit streams where every word read stays inside the buffer.
+    words = payload.data_ptr() % 4 == 0 and payload.numel() % 4 == 0
+    kw = dict(XR=max(16, sh.T // 8), BATCHED=batched, WORDS=words, **sh.consts, num_warps=_DECODE_WARPS)
     if sh.n_full:
         _decode_tiles[(k * sh.n_full,)](*args, EVEN=True, **kw)
     if sh.tail:
