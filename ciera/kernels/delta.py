@@ -179,7 +179,7 @@ def _encode_tiles(shard_ptr, state_ptr, out_ptr, counter_ptr, flags_ptr, needed_
     prev_spill = tl.where(kk > 0, tl.gather(spill, tl.maximum(kk - 1, 0), 0), 0)
     word = (dk & 0xFFFFFFFF) | (prev_spill.to(tl.int64) & 0xFFFFFFFF)
     q = tl.arange(0, NW)[:, None] * 4 + tl.arange(0, 4)[None, :]
-    byte = (word.to(tl.int32)[:, None] >> (tl.arange(0, 4) * 8)[None, :]) & 0xFF
+    byte = (word[:, None] >> (tl.arange(0, 4) * 8).to(tl.int64)[None, :]) & 0xFF
     room = tl.minimum(tl.maximum(fit_end - tile_start, 0), NW * 4).to(tl.int32)  # tile bytes that fit
     tl.store(out_ptr + tile_start + q, byte.to(tl.uint8), mask=q < room)
     # Exception records overwrite their (zero) bytes of the word image: after a barrier.
