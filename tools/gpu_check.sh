@@ -7,12 +7,13 @@
 #   kernels     Triton kernels == pure-torch references, on CUDA (the interpreter tests, on a GPU)
 #   throughput  each codec's encode/decode GB/s beside clone() (a device memcpy) of the same shard,
 #               Triton kernels, and the torch references for comparison
-#   nvcomp      nvCOMP Bitcomp and ANS (nvidia-nvcomp-cu12, installed here if missing) on the same
+#   nvcomp      nvCOMP Bitcomp and ANS (nvidia-nvcomp-cu12, installed if missing: offline from
+#               build/gpu_wheels when present, see `wheels`) on the same
 #               shards, on the raw values and on the XOR with the previous values: ratio and GB/s
 #   report      the static kernel report, to set the measured figures beside the static ceilings
 #
 # Multi-GPU gather and training benchmarks need >= 2 GPUs (NCCL cannot put two ranks on one device).
-# Run one section: `bash tools/gpu_check.sh nvcomp`.
+# Run one section: `bash tools/gpu_check.sh nvcomp`. Sections share a BUDGET (default 450 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -22,9 +23,18 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_DEFAULT_FP_FUSION=1
 STATUS=0
+BUDGET=${BUDGET:-450}  # seconds for the whole check (under 8 minutes with start-up); a section gets at most what is left
 
-section() {  # section NAME SECONDS: run the function NAME under a timeout, note failures, go on
-    local name=$1 limit=$2 t0=$SECONDS
+section() {  # section NAME SECONDS: run the function NAME under a timeout (at most what is left of
+             # BUDGET), note failures, go on: a section failing or timing out loses no other's figures
+    local name=$1 limit=$2 t0=$SECONDS left
+    left=$((BUDGET - SECONDS))
+    if [ "$left" -lt 10 ]; then
+        echo "!! section $name skipped: the ${BUDGET}s budget is spent" | tee -a "$OUT/failures.txt"
+        STATUS=1
+        return
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
     echo "== $name (limit ${limit}s)"
     if ! timeout "$limit" bash -c "$(declare -f "$name"); $(declare -p PY OUT NUMEL); $name"; then
         echo "!! section $name failed or timed out" | tee -a "$OUT/failures.txt"
@@ -44,24 +54,43 @@ kernels() {
         2>&1 | tee "$OUT/kernels.log"
 }
 
-throughput() {
-    $PY tools/bench_codec.py --device cuda --numel "$NUMEL" --steps 8 --warmup 10 --out-md "$OUT/codec_triton.md"
+throughput() {  # two independent runs: the second runs (and reports) even if the first fails
+    local rc=0
+    $PY tools/bench_codec.py --device cuda --numel "$NUMEL" --steps 8 --warmup 10 --out-md "$OUT/codec_triton.md" || rc=1
     $PY tools/bench_codec.py --device cuda --numel $((NUMEL / 4)) --steps 3 --warmup 10 --backend torch \
-        --codecs exponent_reuse delta --out-md "$OUT/codec_torch_reference.md"
+        --codecs exponent_reuse delta --out-md "$OUT/codec_torch_reference.md" || rc=1
+    return $rc
 }
 
 nvcomp() {
-    $PY -c "from nvidia import nvcomp" 2>/dev/null || $PY -m pip install -q nvidia-nvcomp-cu12 || return 1
+    # nvidia-nvcomp-cu12 (and its nvidia-libnvcomp-cu12, ~48 MB together): a GPU machine without a
+    # network installs them from build/gpu_wheels (`bash tools/gpu_check.sh wheels` on a host with one,
+    # then carry build/gpu_wheels along).
+    if ! $PY -c "from nvidia import nvcomp" 2>/dev/null; then
+        if [ -d build/gpu_wheels ]; then
+            $PY -m pip install -q --no-index --find-links build/gpu_wheels nvidia-nvcomp-cu12 || return 1
+        else
+            $PY -m pip install -q nvidia-nvcomp-cu12 || return 1
+        fi
+    fi
     $PY - "$NUMEL" "$OUT/nvcomp.md" <<'EOF'
-"""nvCOMP Bitcomp / ANS beside CIERA's codecs on the same bf16 shards (raw, and XOR with previous)."""
+"""nvCOMP Bitcomp / ANS beside CIERA's codecs on the same bf16 shards (raw, and XOR with previous).
+
+nvidia-nvcomp-cu12 API (nvCOMP 4-6): ``nvcomp.Codec(algorithm=..., **options)``; ``nvcomp.as_array(x)``
+wraps any object with ``__cuda_array_interface__`` / ``__dlpack__`` without a copy; ``codec.encode(array)``
+returns an ``nvcomp.Array`` of the compressed bytes (``buffer_size``: their number), asynchronous on the
+codec's own stream, hence ``torch.cuda.synchronize()`` (a device-wide sync) around every timing;
+``codec.decode(array, data_type="|u1")`` returns the decoded ``nvcomp.Array`` (it exports
+``__dlpack__``). Every row is independent: a failure is written into its row and the next one runs."""
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 from nvidia import nvcomp
 
-from ciera.codecs import HEADER_BYTES, as_bits, make_codec
+from ciera.codecs import as_bits, make_codec
 from ciera.trajectory import AdamTrajectory
 
 numel, out_md = int(sys.argv[1]), sys.argv[2]
@@ -72,6 +101,7 @@ for _ in range(10):
 new = tr.step()
 prev, new = prev.to(dev), new.to(dev)
 raw_bytes = new.numel() * new.element_size()
+print("nvcomp", nvcomp.__version__, "cuda", nvcomp.__cuda_version__, flush=True)
 
 
 def timed(fn, reps=5):
@@ -86,45 +116,94 @@ def timed(fn, reps=5):
     return statistics.median(ts)
 
 
-rows = []
-clone_s = timed(lambda: new.clone())
-rows.append(("clone() (device memcpy)", "-", 1.0, raw_bytes / clone_s / 1e9, raw_bytes / clone_s / 1e9))
-inputs = {"raw values": as_bits(new), "XOR with previous": as_bits(new) ^ as_bits(prev)}
-for algo in ("Bitcomp", "ANS"):
-    for what, t in inputs.items():
-        try:
-            codec = nvcomp.Codec(algorithm=algo)
-            arr = nvcomp.as_array(t.view(torch.uint8))
-            enc = codec.encode(arr)
-            size = enc.buffer_size
-            enc_s = timed(lambda: codec.encode(arr))
-            dec = codec.decode(enc)
-            back = torch.as_tensor(dec, device=dev).view(torch.uint8)
-            assert torch.equal(back, t.view(torch.uint8)), "nvCOMP round trip differs"
-            dec_s = timed(lambda: codec.decode(enc))
-            rows.append((f"nvCOMP {algo}", what, raw_bytes / size, raw_bytes / enc_s / 1e9, raw_bytes / dec_s / 1e9))
-        except Exception as e:  # report, do not stop the check
-            rows.append((f"nvCOMP {algo}", f"{what}: {type(e).__name__}: {e}"[:80], float("nan"), float("nan"),
-                         float("nan")))
-for name in ("delta", "exponent_reuse"):
-    codec = make_codec(name, dtype=torch.bfloat16, numel=numel)
-    out = torch.empty(codec.clamp_capacity(codec.max_bytes), dtype=torch.uint8, device=dev)
+def to_torch(arr) -> torch.Tensor:
+    """A decoded nvcomp.Array as a flat uint8 CUDA tensor (no copy)."""
+    try:
+        t = torch.from_dlpack(arr)
+    except Exception:
+        t = torch.as_tensor(arr, device=dev)
+    return t.reshape(-1).view(torch.uint8)
 
-    codec.encode(shard=new, state=codec.new_state(shard=prev), out=out)
-    needed = int(out[16:24].view(torch.int64))
-    enc_s = timed(lambda: codec.encode(shard=new, state=codec.new_state(shard=prev), out=out))
-    target = prev.clone()
-    dec_s = timed(lambda: (target.copy_(prev), codec.decode(payload=out, target=target)))
-    assert torch.equal(as_bits(target), as_bits(new))
-    rows.append((f"CIERA {name} (Triton)", "new vs previous", raw_bytes / needed, raw_bytes / enc_s / 1e9,
-                 raw_bytes / dec_s / 1e9))
-lines = [f"{numel} bf16 values, AdamW lr 1e-4 step after 10 warmup steps, {torch.cuda.get_device_name()}; "
-         "CIERA encode times include new_state (a clone) and decode a copy of the previous values.", "",
+
+rows = []
+
+
+def row(name, what, fn):
+    try:
+        rows.append((name, what, *fn()))
+    except Exception as e:  # report, do not stop the check
+        traceback.print_exc()
+        rows.append((name, f"{what}: {type(e).__name__}: {e}"[:120], float("nan"), float("nan"), float("nan")))
+    print(rows[-1], flush=True)
+
+
+row("clone() (device memcpy)", "bf16 values",
+    lambda: (1.0, raw_bytes / timed(lambda: new.clone()) / 1e9, float("nan")))
+inputs = {"raw values": as_bits(new).view(torch.uint8),
+          "XOR with previous": (as_bits(new) ^ as_bits(prev)).view(torch.uint8)}
+# Bitcomp lossless on the 16-bit patterns (default and sparse); ANS on bytes and in its 16-bit mode.
+configs = [("Bitcomp", dict(data_type="<u2")), ("Bitcomp", dict(data_type="<u2", algorithm_type=1)),
+           ("ANS", dict()), ("ANS", dict(data_type="<f2"))]
+
+
+def nvcomp_row(algorithm, options, data):
+    def run():
+        codec = nvcomp.Codec(algorithm=algorithm, **options)
+        arr = nvcomp.as_array(data)
+        enc = codec.encode(arr)
+        torch.cuda.synchronize()
+        size = int(enc.buffer_size)
+        back = to_torch(codec.decode(enc, data_type="|u1"))
+        torch.cuda.synchronize()
+        if not torch.equal(back, data):
+            raise AssertionError("nvCOMP round trip differs")
+        enc_s = timed(lambda: codec.encode(arr))
+        dec_s = timed(lambda: codec.decode(enc, data_type="|u1"))
+        return raw_bytes / size, raw_bytes / enc_s / 1e9, raw_bytes / dec_s / 1e9
+    return run
+
+
+for algorithm, options in configs:
+    for what, data in inputs.items():
+        label = algorithm + "".join(f" {k}={v}" for k, v in options.items())
+        row(f"nvCOMP {label}", what, nvcomp_row(algorithm, options, data))
+
+
+def ciera_row(name):
+    def run():
+        codec = make_codec(name, dtype=torch.bfloat16, numel=numel)
+        out = torch.empty(codec.clamp_capacity(codec.max_bytes), dtype=torch.uint8, device=dev)
+        state = codec.new_state(shard=prev)
+        codec.encode(shard=new, state=state, out=out)
+        needed = int(out[16:24].view(torch.int64)[0])  # header word 2: the bytes needed
+        target = prev.clone()
+        codec.decode(payload=out, target=target)
+        if not torch.equal(as_bits(target), as_bits(new)):
+            raise AssertionError("CIERA round trip differs")
+        enc_s = timed(lambda: (codec.reset_state(state=state, shard=prev),
+                               codec.encode(shard=new, state=state, out=out)))
+        reset_s = timed(lambda: codec.reset_state(state=state, shard=prev))
+        dec_s = timed(lambda: (target.copy_(prev), codec.decode(payload=out, target=target)))
+        copy_s = timed(lambda: target.copy_(prev))
+        return (raw_bytes / needed, raw_bytes / max(enc_s - reset_s, 1e-9) / 1e9,
+                raw_bytes / max(dec_s - copy_s, 1e-9) / 1e9)
+    return run
+
+
+for name in ("delta", "exponent_reuse"):
+    row(f"CIERA {name} (Triton)", "new vs previous", ciera_row(name))
+lines = [f"{numel} bf16 values, AdamW lr 1e-4 step after 10 warmup steps, {torch.cuda.get_device_name()}, "
+         f"nvCOMP {nvcomp.__version__}; median of 5; CIERA times exclude the state reset / target copy "
+         "(each timed alone and subtracted).", "",
          "| compressor | input | ratio | encode GB/s | decode GB/s |", "|---|---|---|---|---|"]
 lines += [f"| {a} | {b} | {c:.2f}x | {d:.0f} | {e:.0f} |" for a, b, c, d, e in rows]
 open(out_md, "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 EOF
+}
+
+wheels() {  # on a host with a network: the nvCOMP wheels that the nvcomp section installs offline
+    mkdir -p build/gpu_wheels && $PY -m pip download -q nvidia-nvcomp-cu12 -d build/gpu_wheels && ls -la build/gpu_wheels
 }
 
 report() {
@@ -171,12 +250,12 @@ megatron_gpu_paths() {
 if [ $# -gt 0 ]; then
     for s in "$@"; do section "$s" 420; done
 else
-    section env_info 60
-    section kernels 150
-    section throughput 150
-    section nvcomp 120
-    section decode_many 60
-    section report 60
-    section megatron_gpu_paths 180
+    section env_info 20
+    section kernels 100
+    section throughput 80
+    section nvcomp 60
+    section decode_many 40
+    section report 40
+    section megatron_gpu_paths 100
 fi
 exit $STATUS

@@ -21,18 +21,23 @@ Per kernel and per path it prints, for sm_80 and sm_90:
   per second) and bandwidth-bound (4.8 TB/s), in G values/s. Both ignore launch latency,
   occupancy and cache effects: they are upper bounds, not measurements.
 
-``python tools/kernel_report.py`` (markdown on stdout; ``--json FILE`` for machines).
+``python tools/kernel_report.py`` (markdown on stdout; ``--json FILE`` for machines). The
+(codec, dtype, arch) combinations compile in ``--jobs`` processes; ``--count-archs 90`` compiles
+every arch but disassembles and counts only sm_90 (the CI test's setting: compile-everything at
+half the disassembly).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import dataclasses
 import importlib
 import inspect
 import json
 import math
+import multiprocessing
 import os
 import re
 import subprocess
@@ -192,23 +197,26 @@ class KernelStats:
 _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
-def _sass(cubin: bytes) -> tuple[str, str]:
+def _sass(cubin: bytes, disassemble: bool) -> tuple[str, str]:
+    """(SASS or "", resource usage) of a cubin, from one cuobjdump run."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        sass = subprocess.run([_nvidia_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
-        res = subprocess.run([_nvidia_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
+        flags = ["-sass", "-res-usage"] if disassemble else ["-res-usage"]
+        out = subprocess.run([_nvidia_tool("cuobjdump"), *flags, f.name], capture_output=True, text=True,
                              check=True).stdout
-    return sass, res
+    return (out if disassemble else ""), out
 
 
-def kernel_stats(launch: Launch, trips_of) -> KernelStats:
+def kernel_stats(launch: Launch, trips_of, count: bool = True) -> KernelStats:
     """Resources and instruction counts of one compiled kernel; ``trips_of(launch)``: trips of
-    each of its loops (None: the kernel declares none)."""
-    sass, res = _sass(launch.compiled.asm["cubin"])
+    each of its loops (None: the kernel declares none). ``count=False``: resources only (no
+    disassembly; the instruction fields are None)."""
+    sass, res = _sass(launch.compiled.asm["cubin"], count)
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res)
     regs, stack, shared, local = (int(x) for x in m.groups())
+    if not count:
+        return KernelStats(regs, stack + local, shared + launch.compiled.metadata.shared, None, None, [], {})
     instr = []  # (address, opcode, operands)
     for line in sass.splitlines():
         mm = _SASS_LINE.search(line)
@@ -294,18 +302,34 @@ def _loop_trips(module):
     return trips_of
 
 
-def minimal_bytes(codec: str, path: str, itemsize: int, ratio: float) -> float:
-    """Least DRAM bytes per value any implementation of the format moves on this path."""
+def minimal_bytes(codec: str, path: str, itemsize: int, wire: float) -> tuple[float, float, str]:
+    """(one-pass minimum, the format's minimum, which) DRAM bytes per value on this path, ``wire``
+    the payload's bytes per value.
+
+    One pass: every input read once, every output written once. delta's encoder cannot pack a
+    value before the width table is known, and the table needs a histogram of the whole shard:
+    any implementation of this format reads (new, previous) twice, so its format minimum is the
+    two-pass one (a format that froze the table one step earlier would not). Every other path
+    has format minimum = one-pass minimum."""
     if codec == "delta":
-        # encode: read new + previous, write the state (= new) and the payload; decode: read the
-        # previous values and the payload, write the new values.
-        return (3 + ratio) * itemsize if path == "encode" else (2 + ratio) * itemsize
-    # exponent_reuse: the state is one exponent byte per value.
-    return (itemsize + 2 + ratio * itemsize) if path == "encode" else (2 + ratio) * itemsize
+        if path == "encode":  # read new + previous (twice for the format), write the state (= new), the payload
+            return 3 * itemsize + wire, 5 * itemsize + wire, "2 reads of new+prev, state + payload written"
+        return 2 * itemsize + wire, 2 * itemsize + wire, "previous read, values + payload: read/written once"
+    if path == "encode":  # read new + previous exponents (1 B), write the state (1 B) and the payload
+        return itemsize + 2 + wire, itemsize + 2 + wire, "new + state (1 B) read, state + payload written"
+    return 2 * itemsize + wire, 2 * itemsize + wire, "previous read, values + payload: read/written once"
 
 
-def run_path(codec_name: str, dtype: torch.dtype, arch: int, numel: int, ratio: float, world: int):
-    """Record every launch of the encode, decode and batched decode of one codec and dtype."""
+def wire_bytes(codec, ratio: float) -> float:
+    """Payload bytes of one shard at wire/raw ``ratio``: the ratio already counts every section
+    (exponent_reuse's sign|mantissa bytes too), never less than the fixed sections."""
+    return max(ratio * codec.numel * codec.fmt.itemsize, codec.fixed_bytes)
+
+
+def run_path(codec_name: str, dtype: torch.dtype, arch: int, numel: int, ratio: float, world: int,
+             count: bool = True):
+    """Record every launch of the encode, decode and batched decode of one codec and dtype
+    (``count=False``: compile and read resources, but do not disassemble and count)."""
     cls = REGISTRY.get(codec_name)
     codec = cls(dtype=dtype, numel=numel, backend="triton")
     module = importlib.import_module(cls.kernels)
@@ -313,14 +337,21 @@ def run_path(codec_name: str, dtype: torch.dtype, arch: int, numel: int, ratio: 
     state = codec.new_state(shard=shard)
     cap = codec.clamp_capacity(codec.max_bytes)
     out = torch.zeros(cap, dtype=torch.uint8)
-    wire = ratio * numel * codec.fmt.itemsize + codec.fixed_bytes
+    wire = wire_bytes(codec, ratio)
+
+    def steady(call):
+        """Launches of the second call: scratch that a launcher allocates once is not counted."""
+        with recording(arch):
+            call()
+        with recording(arch) as rec:
+            call()
+        return rec
+
     paths = {}
-    with recording(arch) as rec:
-        module.encode_triton(layout=codec.layout, shard_bits=as_bits(shard), state=state, out=out)
+    rec = steady(lambda: module.encode_triton(layout=codec.layout, shard_bits=as_bits(shard), state=state, out=out))
     paths["encode"] = (rec, {id(out): wire}, numel)
     target = torch.zeros(numel, dtype=dtype)
-    with recording(arch) as rec:
-        module.decode_triton(layout=codec.layout, payload=out, target_bits=as_bits(target))
+    rec = steady(lambda: module.decode_triton(layout=codec.layout, payload=out, target_bits=as_bits(target)))
     paths["decode"] = (rec, {id(out): wire}, numel)
     if hasattr(module, "decode_many_triton") and world > 1:
         k = world - 1
@@ -328,9 +359,9 @@ def run_path(codec_name: str, dtype: torch.dtype, arch: int, numel: int, ratio: 
         rows = torch.arange(1, world, dtype=torch.int64)
         offsets = torch.arange(k, dtype=torch.int64) * cap
         targets = torch.zeros(world, numel, dtype=dtype)
-        with recording(arch) as rec:
-            module.decode_many_triton(layout=codec.layout, payloads=payloads, rows=rows, offsets=offsets,
-                                      targets_bits=as_bits(targets))
+        targets = as_bits(targets)  # the very tensor the kernel gets: its id keys the rows-only count
+        rec = steady(lambda: module.decode_many_triton(layout=codec.layout, payloads=payloads, rows=rows,
+                                                       offsets=offsets, targets_bits=targets))
         paths[f"decode_many(k={k})"] = (rec, {id(payloads): wire * k, id(targets): 2 * k * numel * codec.fmt.itemsize},
                                         k * numel)
     rows = []
@@ -343,7 +374,7 @@ def run_path(codec_name: str, dtype: torch.dtype, arch: int, numel: int, ratio: 
                     shared=0, loops=0, sass_static=0, sass_per_program=0, instr_per_value=0.0,
                     bytes_per_value=launch.constants["bytes"] / values, access={}, mem_ops={}))
                 continue
-            st = kernel_stats(launch, _loop_trips(module))
+            st = kernel_stats(launch, _loop_trips(module), count)
             access = argument_access(launch.compiled.asm["ttir"])
             nbytes = 0.0
             for name, mode in access.items():
@@ -358,9 +389,13 @@ def run_path(codec_name: str, dtype: torch.dtype, arch: int, numel: int, ratio: 
                 codec=codec_name, dtype=str(dtype).replace("torch.", ""), arch=f"sm_{arch}", path=path,
                 kernel=launch.name, grid=programs, warps=warps, values_per_program=values / programs,
                 regs=st.regs, spill_bytes=st.spill_bytes, shared=st.shared, loops=len(st.loops), loop_bodies=st.loops,
-                sass_static=st.static_instructions, sass_per_program=st.dynamic_instructions * warps,
-                instr_per_value=st.dynamic_instructions * warps * programs / values,
+                sass_static=st.static_instructions,
+                sass_per_program=None if st.dynamic_instructions is None else st.dynamic_instructions * warps,
+                instr_per_value=None if st.dynamic_instructions is None else
+                st.dynamic_instructions * warps * programs / values,
                 bytes_per_value=nbytes / values, access=access, mem_ops=st.ldg_widths))
+    for r in rows:
+        r["wire_per_value"] = wire / numel
     return rows
 
 
@@ -375,18 +410,26 @@ def summarise(rows, itemsize_of, ratio_of):
         if r["kernel"].startswith("torch."):
             s["torch_ops"] += 1
             s["glue_bytes_per_value"] += r["bytes_per_value"]
-        s["instr_per_value"] += r["instr_per_value"]
+        s["instr_per_value"] = None if s["instr_per_value"] is None or r["instr_per_value"] is None else \
+            s["instr_per_value"] + r["instr_per_value"]
         s["bytes_per_value"] += r["bytes_per_value"]
         s["spills"] = max(s["spills"], r["spill_bytes"])
         s["max_regs"] = max(s["max_regs"], r["regs"])
+        s["wire_per_value"] = r["wire_per_value"]
     for (codec, dtype, arch, path), s in out.items():
-        s["issue_gvals"] = H200.issue_rate / s["instr_per_value"] / 1e9
+        s["issue_gvals"] = None if s["instr_per_value"] is None else H200.issue_rate / s["instr_per_value"] / 1e9
         s["bw_gvals"] = H200.hbm_gbs / s["bytes_per_value"]
-        s["min_bytes"] = minimal_bytes(codec, path.split("(")[0].replace("decode_many", "decode"), itemsize_of[dtype],
-                                       ratio_of[codec])
+        s["min_bytes"], s["format_min_bytes"], s["min_which"] = minimal_bytes(
+            codec, path.split("(")[0].replace("decode_many", "decode"), itemsize_of[dtype], s["wire_per_value"])
         s["bytes_vs_min"] = s["bytes_per_value"] / s["min_bytes"]
-        s["ceiling_gbs"] = min(s["issue_gvals"], s["bw_gvals"]) * itemsize_of[dtype]
+        s["bytes_vs_format_min"] = s["bytes_per_value"] / s["format_min_bytes"]
+        s["ceiling_gbs"] = min(s["issue_gvals"] or math.inf, s["bw_gvals"]) * itemsize_of[dtype]
     return out
+
+
+def _num(x, digits: int) -> str:
+    """``x`` to ``digits`` decimals; "not counted" for an arch the run did not disassemble."""
+    return "not counted" if x is None else f"{x:.{digits}f}"
 
 
 def markdown(rows, summary, args) -> str:
@@ -394,19 +437,27 @@ def markdown(rows, summary, args) -> str:
              f"(wire ratios {args.ratio_delta} delta, {args.ratio_er} exponent_reuse; {H200.name}: "
              f"{H200.sms} SMs x {H200.schedulers} x {H200.clock_ghz} GHz, {H200.hbm_gbs / 1000:.1f} TB/s).", "",
              "### Per path (sm_90, all launches of the path together)", "",
-             "| codec | dtype | path | launches (torch ops) | SASS warp-instr/value | bytes/value | min bytes | vs min | "
-             "issue-bound Gval/s | bandwidth-bound Gval/s | ceiling GB/s | max regs | spills |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| codec | dtype | path | launches (torch ops) | SASS warp-instr/value | bytes/value | one-pass min | "
+             "vs one-pass | format min | vs format min | issue-bound Gval/s | bandwidth-bound Gval/s | ceiling GB/s | "
+             "max regs | spills |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (codec, dtype, arch, path), s in sorted(summary.items()):
         if arch != "sm_90":
             continue
-        lines.append(f"| {codec} | {dtype} | {path} | {s['launches']} ({s['torch_ops']}) | {s['instr_per_value']:.2f} | "
+        lines.append(f"| {codec} | {dtype} | {path} | {s['launches']} ({s['torch_ops']}) | {_num(s['instr_per_value'], 2)} | "
                      f"{s['bytes_per_value']:.2f} | {s['min_bytes']:.2f} | {s['bytes_vs_min']:.2f}x | "
-                     f"{s['issue_gvals']:.0f} | {s['bw_gvals']:.0f} | {s['ceiling_gbs']:.0f} | {s['max_regs']} | "
+                     f"{s['format_min_bytes']:.2f} | {s['bytes_vs_format_min']:.2f}x | {_num(s['issue_gvals'], 0)} | {s['bw_gvals']:.0f} | {s['ceiling_gbs']:.0f} | {s['max_regs']} | "
                      f"{s['spills']} |")
     lines += ["", "SASS warp-instructions count the Triton kernels only (torch ops between them: their bytes "
               "count, their instructions do not). Bytes: each tensor a kernel loads from or stores to, once "
-              "per direction (the payload: its wire bytes), plus the inputs and outputs of every torch op.",
+              "per direction (the payload: its wire bytes, ratio x raw, at least its fixed sections), plus the "
+              "inputs and outputs of every torch op (steady state: a warm-up call first, so scratch allocated once "
+              "is not counted).",
+              "*One-pass min*: every input read once and every output written once (delta encode: new + previous "
+              "read, state + payload written; exponent_reuse encode: new + previous exponents (1 B) read, state "
+              "(1 B) + payload written; decodes: previous values read, new values + payload read/written once). "
+              "*Format min*: the same, except delta encode, which must read new + previous twice (the width table "
+              "is a histogram of the whole shard and must be known before any value is packed).",
               "", "### Per kernel (sm_80 and sm_90)", "",
               "| codec | dtype | arch | path | kernel | programs | warps | values/program | regs | spill B | "
               "smem B | loops | SASS/program | warp-instr/value | bytes/value |",
@@ -420,11 +471,17 @@ def markdown(rows, summary, args) -> str:
             continue
         lines.append(f"| {r['codec']} | {r['dtype']} | {r['arch']} | {r['path']} | `{r['kernel']}` | {r['grid']} | "
                      f"{r['warps']} | {r['values_per_program']:.0f} | {r['regs']} | {r['spill_bytes']} | "
-                     f"{r['shared']} | {r['loops']} | {r['sass_per_program']:.0f} | {r['instr_per_value']:.2f} | "
+                     f"{r['shared']} | {r['loops']} | {_num(r['sass_per_program'], 0)} | {_num(r['instr_per_value'], 2)} | "
                      f"{r['bytes_per_value']:.2f} |")
     for (codec, dtype, arch, path), (ops, b) in glue.items():
         lines.append(f"| {codec} | {dtype} | {arch} | {path} | torch glue ({ops} ops) | | | | | | | | | | {b:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def _run_task(task) -> list:
+    codec, dname, arch, numel, ratio, world, count = task
+    torch.set_num_threads(1)  # the torch glue is tiny; the processes share the cores
+    return run_path(codec, DTYPES[dname], arch, numel, ratio, world, count)
 
 
 def main(argv=None):
@@ -437,13 +494,26 @@ def main(argv=None):
     p.add_argument("--ratio-delta", type=float, default=RATIO["delta"])
     p.add_argument("--ratio-er", type=float, default=RATIO["exponent_reuse"])
     p.add_argument("--json", type=Path, help="write rows and summary here")
+    p.add_argument("--count-archs", nargs="+", type=int, default=None,
+                   help="archs whose SASS is disassembled and counted (default: all of --archs); the others "
+                        "are compiled and their registers, spills and shared memory read, nothing more")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="processes compiling (codec, dtype, arch) combinations side by side")
     args = p.parse_args(argv)
     ratio_of = {"delta": args.ratio_delta, "exponent_reuse": args.ratio_er}
+    counted = set(args.archs if args.count_archs is None else args.count_archs)
+    tasks = [(codec, dname, arch, args.numel, ratio_of[codec], args.world, arch in counted)
+             for codec in args.codecs for dname in args.dtypes for arch in args.archs]
     rows = []
-    for codec in args.codecs:
-        for dname in args.dtypes:
-            for arch in args.archs:
-                rows += run_path(codec, DTYPES[dname], arch, args.numel, ratio_of[codec], args.world)
+    if args.jobs > 1 and len(tasks) > 1:
+        # spawn: a fresh interpreter per worker (no fork of a process holding torch's thread pools)
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(max_workers=min(args.jobs, len(tasks)), mp_context=ctx) as pool:
+            for part in pool.map(_run_task, tasks):
+                rows += part
+    else:
+        for task in tasks:
+            rows += _run_task(task)
     itemsize_of = {str(d).replace("torch.", ""): d.itemsize for d in DTYPES.values()}
     summary = summarise(rows, itemsize_of, ratio_of)
     print(markdown(rows, summary, args))

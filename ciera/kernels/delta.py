@@ -16,15 +16,15 @@ encode (3 kernels, a 4th for a partial last tile; no torch glue):
    exception records and the new sender state. The last tile writes the bytes needed.
 
 decode (1 kernel, a 2nd for a partial last tile): ``_decode_tiles``, per tile: widths from the
-previous values and the payload's table, block sizes, the same look-back, then every value's bits
-and its block's exceptions, in place. ``decode_many_triton`` runs the same kernels over
-``k x tiles`` programs.
+previous values and the payload's table, block sizes, the same look-back, then every value's low
+bits (two aligned 32-bit word loads per value; byte loads when the payload buffer is not 4-aligned
+or not a multiple of 4 bytes long), stored in place; then each exception record rewrites its one
+value. ``decode_many_triton`` runs the same kernels over ``k x tiles`` programs.
 
 Full tiles load and store without masks (vectorised whatever the shard length); the partial last
-tile runs in a second launch of the same kernel with masks. Look-back: a ticket counter (cached,
-device side) numbers programs in the order they start, so a tile only waits for tiles that are
-already running; each flag word carries an epoch (the call's number, from the ticket) so that
-no flag ever needs clearing. All launches of one codec shape must be on one stream.
+tile runs in a second launch of the same kernel with masks. Look-back: :mod:`ciera.kernels.lookback`
+(tickets in start order, epoch-tagged flag words that never need clearing). All launches of one
+codec shape must be on one stream.
 """
 
 from __future__ import annotations
@@ -36,16 +36,16 @@ import triton
 import triton.language as tl
 
 from ciera.codecs.delta import DeltaLayout
+from ciera.kernels.lookback import look_back as _look_back
+from ciera.kernels.lookback import tile_ticket as _tile_id
 
 _TILE_VALUES = 2048
 """Values per tile (whole blocks, at least 2): 8 per thread with 8 warps."""
 _HIST_VALUES = 8192
 """Values per ``_hist`` program (no block structure there): amortises its per-bin atomics."""
 _NUM_WARPS = 8
-_EPOCHS = 1 << 18
-"""Flag words carry ``(epoch % _EPOCHS) + 1`` in bits 44..62, a 2-bit flag in 42..43 (1: the
-tile's own size, 2: sizes of every tile up to it) and the byte count in bits 0..41."""
-
+_DECODE_WARPS = 4
+"""Decode: 16 values per thread (fewer instructions per value; under 128 registers for every dtype)."""
 REPORT_LOOP_TRIPS = {"_encode_tiles": 2, "_decode_tiles": 2}
 """Trips of each runtime loop, for tools/kernel_report.py: the look-back reads one or two flags
 (the tile before has usually published its inclusive prefix); the decoder's exception loop takes
@@ -61,44 +61,6 @@ def _bit_length(z, W: tl.constexpr):
     else:
         e = (z.to(tl.float64).to(tl.int64, bitcast=True) >> 52) & 0x7FF
         return tl.where(z == 0, 0, e - 1022)
-
-
-@triton.jit
-def _tile_id(counter_ptr, k, n_full, n_tiles, EVEN: tl.constexpr):
-    """(epoch, row, tile) of this program from a ticket: programs are numbered in the order they
-    start, so look-back only ever waits on running programs. Full tiles come from the main launch
-    (``EVEN``), the partial last tile of every row from the second one."""
-    t = tl.atomic_add(counter_ptr, 1)
-    per_call = k * n_tiles
-    epoch = t // per_call
-    rem = t % per_call
-    if EVEN:
-        row = rem // n_full
-        vid = rem % n_full
-    else:
-        row = rem - k * n_full
-        vid = rem * 0 + n_tiles - 1
-    return epoch, row, vid
-
-
-@triton.jit
-def _look_back(flags_ptr, vid, total, epoch):
-    """Decoupled look-back: publish this tile's ``total`` bytes, return the bytes of all earlier
-    tiles of its chain (``flags_ptr[0 .. vid)``)."""
-    tag = ((epoch % 262144) + 1) << 44
-    first = vid == 0
-    tl.atomic_xchg(flags_ptr + vid, tag | (tl.where(first, 2, 1).to(tl.int64) << 42) | total)
-    prefix = total * 0
-    j = vid - 1
-    while j >= 0:
-        word = tl.atomic_add(flags_ptr + j, 0)
-        state = (word >> 42) & 3
-        ready = ((word >> 44) == (tag >> 44)) & (state != 0)
-        prefix += tl.where(ready, word & 4398046511103, 0)
-        j = tl.where(ready & (state == 2), -1, tl.where(ready, j - 1, j))
-    if vid > 0:
-        tl.atomic_xchg(flags_ptr + vid, tag | (2 << 42) | (prefix + total))
-    return prefix
 
 
 @triton.jit
@@ -202,20 +164,24 @@ def _encode_tiles(shard_ptr, state_ptr, out_ptr, counter_ptr, flags_ptr, needed_
     low = tl.reshape(z & ((tl.full(w.shape, 1, UT) << w) - 1), [T]).to(tl.int64)
     kw = p >> 5
     a = low << (p & 31).to(tl.int64)
+    # D_k = csum[e_{k+1} - 1] - csum[e_k - 1] (e_k: values before word k) sums segment k's A:
+    # its low half is word k's part, its high half spills into word k + 1.
     csum = tl.cumsum(a, axis=0)
     c1 = tl.histogram(kw, NW, mask=kw < NW)
-    c2 = tl.histogram(kw + 1, NW, mask=kw + 1 < NW)
     e_k = tl.cumsum(c1, axis=0) - c1
     l0 = e_k + c1 - 1
     l1 = e_k - 1
-    l2 = e_k - c2 - 1
     s0 = tl.where(l0 >= 0, tl.gather(csum, tl.maximum(l0, 0), 0), 0)
     s1 = tl.where(l1 >= 0, tl.gather(csum, tl.maximum(l1, 0), 0), 0)
-    s2 = tl.where(l2 >= 0, tl.gather(csum, tl.maximum(l2, 0), 0), 0)
-    word = ((s0 - s1) & 0xFFFFFFFF) | (((s1 - s2) >> 32) & 0xFFFFFFFF)
+    dk = s0 - s1
+    spill = (dk >> 32).to(tl.int32)
+    kk = tl.arange(0, NW)
+    prev_spill = tl.where(kk > 0, tl.gather(spill, tl.maximum(kk - 1, 0), 0), 0)
+    word = (dk & 0xFFFFFFFF) | (prev_spill.to(tl.int64) & 0xFFFFFFFF)
     q = tl.arange(0, NW)[:, None] * 4 + tl.arange(0, 4)[None, :]
     byte = (word[:, None] >> (tl.arange(0, 4) * 8).to(tl.int64)[None, :]) & 0xFF
-    tl.store(out_ptr + tile_start + q, byte.to(tl.uint8), mask=tile_start + q < fit_end)
+    room = tl.minimum(tl.maximum(fit_end - tile_start, 0), NW * 4).to(tl.int32)  # tile bytes that fit
+    tl.store(out_ptr + tile_start + q, byte.to(tl.uint8), mask=q < room)
     # Exception records overwrite their (zero) bytes of the word image: after a barrier.
     tl.debug_barrier()
     rank = tl.reshape(tl.cumsum(tl.reshape(exc.to(tl.int32), [TB, B]), axis=1) - 1, [TB, NG, G])
@@ -242,7 +208,7 @@ def _decode_tiles(payload_ptr, target_ptr, counter_ptr, flags_ptr, rows_ptr, off
                   W: tl.constexpr, MANT: tl.constexpr, EXPMASK: tl.constexpr, B: tl.constexpr, G: tl.constexpr,
                   NG: tl.constexpr, TB: tl.constexpr, C: tl.constexpr, RAW_MARK: tl.constexpr, I: tl.constexpr,
                   S: tl.constexpr, XR: tl.constexpr, UT: tl.constexpr, BATCHED: tl.constexpr,
-                  EVEN: tl.constexpr):
+                  WORDS: tl.constexpr, EVEN: tl.constexpr):
     T: tl.constexpr = TB * B
     epoch, row, vid = _tile_id(counter_ptr, k, n_full, n_tiles, EVEN)
     if BATCHED:
@@ -276,19 +242,44 @@ def _decode_tiles(payload_ptr, target_ptr, counter_ptr, flags_ptr, rows_ptr, off
     tile_start = pbase + off_data + _look_back(flags_ptr + row * n_tiles, vid, total, epoch)
     bstart = tile_start + (tl.cumsum(bsize, axis=0) - bsize)
     exc_start = bstart + tl.sum(gbytes, axis=1)
-    gstart = bstart[:, None] + (tl.cumsum(gbytes, axis=1) - gbytes)
-    bitpos = gstart[:, :, None] * 8 + (tl.cumsum(w.to(tl.int32), axis=2) - w.to(tl.int32))
-    at = bitpos >> 3
     need = w > 0
-    zz = tl.zeros([TB, NG, G], UT)
-    for t in tl.static_range(W // 8 + 1):
-        byte = tl.load(payload_ptr + at + t, mask=need & (at + t < plen), other=0)
-        zz |= byte.to(UT) << (8 * t)
-    z = (zz >> (bitpos & 7).to(UT)) & ((tl.full(w.shape, 1, UT) << w) - 1)
-    # Exceptions, XR records a trip: record r belongs to the last block whose first record is <= r.
+    if WORDS:
+        # Little-endian 32-bit words (payload 4-aligned, length a multiple of 4): bit q of the
+        # tile's words is bit q % 32 of word q // 32 from the word holding the tile's first byte;
+        # a value spans at most 2 words. Per-value math in 32 bits.
+        w32 = w.to(tl.int32)
+        head = tile_start & 3
+        grel = (bstart - tile_start).to(tl.int32)[:, None] + (tl.cumsum(gbytes, axis=1) - gbytes)
+        q = grel[:, :, None] * 8 + (tl.cumsum(w32, axis=2) - w32) + (head * 8).to(tl.int32)
+        wbase = (payload_ptr + (tile_start - head)).to(tl.pointer_type(tl.uint32))
+        lim = tl.minimum((plen - (tile_start - head)) >> 2, 1 << 30).to(tl.int32)  # words left
+        wq = q >> 5
+        sh = (q & 31).to(tl.uint32)
+        w_lo = tl.load(wbase + wq, mask=need & (wq < lim), other=0)
+        w_hi = tl.load(wbase + wq + 1, mask=need & ((q & 31) + w32 > 32) & (wq + 1 < lim), other=0)
+        zz = (w_lo >> sh) | ((w_hi << 1) << (31 - sh))
+        z = zz.to(UT) & ((tl.full(w.shape, 1, UT) << w) - 1)
+    else:
+        gstart = bstart[:, None] + (tl.cumsum(gbytes, axis=1) - gbytes)
+        bitpos = gstart[:, :, None] * 8 + (tl.cumsum(w.to(tl.int32), axis=2) - w.to(tl.int32))
+        at = bitpos >> 3
+        zz = tl.zeros([TB, NG, G], UT)
+        for t in tl.static_range(W // 8 + 1):
+            byte = tl.load(payload_ptr + at + t, mask=need & (at + t < plen), other=0)
+            zz |= byte.to(UT) << (8 * t)
+        z = (zz >> (bitpos & 7).to(UT)) & ((tl.full(w.shape, 1, UT) << w) - 1)
+    u = (old + ((z >> 1) ^ -(z & 1))) & ((1 << W) - 1)
+    if EVEN:
+        tl.store(target_ptr + offs, u.to(target_ptr.dtype.element_ty))
+    else:
+        tl.store(target_ptr + offs, u.to(target_ptr.dtype.element_ty), mask=valid)
+    # Exceptions, XR records a trip, each rewrites its value after the store above (a barrier
+    # orders the two stores): record r belongs to the last block whose first record is <= r; its
+    # previous bits and low bits come from one gather of (old | low << W) over the tile.
     xpre = tl.cumsum(cnt, axis=0) - cnt
     n_exc = tl.sum(cnt, axis=0)
-    hi_v = tl.zeros([T], UT)
+    packed = tl.reshape(old | (z << W), [T])
+    tl.debug_barrier()
     for r0 in range(0, n_exc, XR):
         r = r0 + tl.arange(0, XR)
         live = r < n_exc
@@ -303,15 +294,13 @@ def _decode_tiles(payload_ptr, target_ptr, counter_ptr, flags_ptr, rows_ptr, off
         hi = tl.zeros([XR], UT)
         for t in tl.static_range(S):
             hi |= tl.load(payload_ptr + base + count * I + rank * S + t, mask=live, other=0).to(UT) << (8 * t)
-        hit = tl.histogram(br * B + idx, T, mask=live)  # 0/1 per value of the tile
-        at_r = tl.maximum(tl.cumsum(hit, axis=0) - 1, 0)
-        hi_v |= tl.where(hit > 0, tl.gather(hi, at_r, 0), 0)
-    z |= tl.reshape(hi_v, [TB, NG, G]) << w
-    u = (old + ((z >> 1) ^ -(z & 1))) & ((1 << W) - 1)
-    if EVEN:
-        tl.store(target_ptr + offs, u.to(target_ptr.dtype.element_ty))
-    else:
-        tl.store(target_ptr + offs, u.to(target_ptr.dtype.element_ty), mask=valid)
+        v = br * B + (idx & (B - 1))
+        pk = tl.gather(packed, v, 0)
+        o = pk & ((1 << W) - 1)
+        wv = tl.load(payload_ptr + pbase + off_table + ((o >> MANT) & EXPMASK)).to(UT)
+        zx = (((pk >> W) & ((1 << W) - 1)) | (hi << wv)) & ((1 << W) - 1)
+        ux = (o + ((zx >> 1) ^ -(zx & 1))) & ((1 << W) - 1)
+        tl.store(target_ptr + vid * T + v, ux.to(target_ptr.dtype.element_ty), mask=live)
 
 
 # -- launchers -------------------------------------------------------------------------------------
@@ -388,7 +377,9 @@ def _decode(layout: DeltaLayout, payload: torch.Tensor, targets: torch.Tensor, r
     s = _scratch(layout, payload.device, k, "decode_many" if batched else "decode")
     args = (payload, targets, s["counter"], s["flags"], rows, offsets, layout.numel, k, sh.n_full, sh.n_tiles,
             layout.n_blocks, payload.numel(), layout.off_table, layout.off_counts, layout.off_data)
-    kw = dict(XR=max(16, sh.T // 8), BATCHED=batched, **sh.consts, num_warps=_NUM_WARPS)
+    # 32-bit word loads of the bit streams where every word read stays inside the buffer.
+    words = payload.data_ptr() % 4 == 0 and payload.numel() % 4 == 0
+    kw = dict(XR=max(16, sh.T // 8), BATCHED=batched, WORDS=words, **sh.consts, num_warps=_DECODE_WARPS)
     if sh.n_full:
         _decode_tiles[(k * sh.n_full,)](*args, EVEN=True, **kw)
     if sh.tail:

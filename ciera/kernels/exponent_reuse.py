@@ -7,22 +7,20 @@ needs come back as a 0-d int64 tensor on the shard's device.
 Work is split in *tiles* of ``TB`` whole blocks (``TB`` a multiple of 8, so every bitmap byte
 belongs to exactly one tile). A program walks its tile as ``[TB, BC]`` chunks (``BC`` columns of
 each of the ``TB`` blocks, ``BC`` dividing ``B``), so one chunk holds ``TB * BC`` values whatever
-the block size.
+the block size. Each path is one kernel (a second launch of it, masked, for a partial last tile;
+full tiles load and store unmasked, so they vectorise whatever the shard length), one pass over
+memory, no torch glue:
 
-Encode, two launches and one device cumsum:
-
-1. ``_encode_fields``: per tile, write sign|mantissa bytes and bit planes, compare each new
-   exponent exactly with ``state`` (uint8), overwrite ``state`` with the new exponents, write the
-   tile's bitmap bytes and its number of changed blocks.
-2. ``torch.cumsum`` of the per-tile counts: the first exponent slot of every tile; the total gives
-   the needed bytes.
-3. ``_encode_exps``: every changed block whose slot is below the payload's slot count ``K`` copies
-   its ``B`` new exponents (now in ``state``) into its slot; padding of a partial last block is 0.
-   Blocks past ``K`` are not written (the payload has overflowed; the codec flags it).
-
-Decode, two launches and one device cumsum: ``_count_changed`` (per-tile popcount of the bitmap),
-``torch.cumsum``, then ``_decode_values`` rebuilds every value from its sign|mantissa bytes and
-planes and either its block's slot (changed block) or the exponent already in ``target``.
+* ``_encode_tiles``: per tile, write sign|mantissa bytes and bit planes, compare each new exponent
+  exactly with ``state`` (uint8) and overwrite it with the new exponents, write the tile's bitmap
+  bytes; the first exponent slot of the tile comes from a decoupled look-back over earlier tiles'
+  changed-block counts (:mod:`ciera.kernels.lookback`); every changed block whose slot is below
+  the payload's slot count ``K`` writes its ``B`` new exponents (padding of a partial last block
+  is 0; blocks past ``K`` are not written: the payload has overflowed, the codec flags it). The
+  last tile writes the bytes needed.
+* ``_decode_tiles``: per tile, its bitmap bits, the same look-back for its first slot, then every
+  value from its sign|mantissa bytes and planes and either its block's slot (changed block) or
+  the exponent already in ``target``. ``decode_many_triton`` runs it over ``k x tiles`` programs.
 
 Tile sizes (H100/H200): a chunk holds ``_TILE_VALUES = 4096`` values, 16 per thread with 8 warps,
 which keeps enough bytes in flight per SM for these memory-bound kernels without spilling; small
@@ -37,17 +35,21 @@ also fits int32; the rebuilt fp32 pattern sets bit 31 through a wrapping int32 s
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from ciera.codecs.exponent_reuse import ExponentReuseLayout
+from ciera.kernels.lookback import look_back, scratch, tile_ticket
 
 _TILE_VALUES = 4096
 """Values per ``[TB, BC]`` chunk; a power of two >= 8."""
 _NUM_WARPS = 8
+
+REPORT_LOOP_TRIPS = {"_encode_tiles": 2, "_decode_tiles": 2}
+"""Trips of each runtime loop, for tools/kernel_report.py: the look-back reads one or two flags (the
+tile before has usually published its inclusive prefix), counted as 2, an upper bound. (Blocks
+above 512 values add chunk loops of ``B / 512`` trips; the report runs the default ``B = 8``.)"""
 
 
 def _tile_shape(block_size: int, tile_values: int) -> tuple[int, int]:
@@ -87,116 +89,166 @@ def _st(ptr, value, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _encode_fields(bits_ptr, state_ptr, out_ptr, counts_ptr, n, n_blocks, off_signmant, off_planes,
-                   plane_bytes, off_bitmap, tile0,
-                   B: tl.constexpr, TB: tl.constexpr, BC: tl.constexpr, TOTAL_BITS: tl.constexpr,
-                   EXP_BITS: tl.constexpr, MANT_BITS: tl.constexpr, SM_BYTES: tl.constexpr,
-                   N_PLANES: tl.constexpr, EVEN: tl.constexpr):
-    tile = tl.program_id(0).to(tl.int64) + tile0
-    blocks = tile * TB + tl.arange(0, TB)                     # [TB] block ids of this tile
-    cols = tl.arange(0, BC)
-    changed = tl.zeros([TB], dtype=tl.int32)                  # 1 where some exponent differs
-    for j in range(0, B, BC):
-        offs = blocks[:, None] * B + j + cols[None, :]        # [TB, BC] value index (int64)
-        inside = offs < n
-        x = _ld(bits_ptr + offs, inside, EVEN).to(tl.int32)
-        # Fields, all masked after shifting: the sign extension of 16-bit patterns never leaks.
-        exp = (x >> MANT_BITS) & ((1 << EXP_BITS) - 1)
-        sm = (x & ((1 << MANT_BITS) - 1)) | (((x >> (TOTAL_BITS - 1)) & 1) << MANT_BITS)
-        # Outside the shard x = 0, so sm = 0: plane padding bits come out 0, as pack_bits pads.
-        old = _ld(state_ptr + offs, inside, EVEN).to(tl.int32)
+def _store_sm24(out_ptr, off_signmant, first, sm, N: tl.constexpr):
+    """Sign|mantissa (24 bits each) of ``N`` contiguous fp32 values from value ``first``: three
+    little-endian 32-bit words per 4 values (the same bytes as 3 byte stores per value)."""
+    even, odd = tl.split(tl.reshape(sm, [N // 4, 2, 2]))  # [N/4, 2]: values 4g + 2j, 4g + 2j + 1
+    s0, s2 = tl.split(even)
+    s1, s3 = tl.split(odd)
+    # off_signmant (the 32-byte header) and first * 3 (first: a multiple of 4) are word aligned
+    words = (out_ptr + off_signmant + first * 3).to(tl.pointer_type(tl.int32), bitcast=True)
+    g3 = tl.arange(0, N // 4) * 3
+    tl.store(words + g3, s0 | (s1 << 24))
+    tl.store(words + g3 + 1, (s1 >> 8) | (s2 << 16))
+    tl.store(words + g3 + 2, (s2 >> 16) | (s3 << 8))
+
+
+@triton.jit
+def _load_sm24(payload_ptr, off_signmant, first, TB: tl.constexpr, BC: tl.constexpr):
+    """Inverse of :func:`_store_sm24` for a ``[TB, BC]`` chunk of contiguous values."""
+    N: tl.constexpr = TB * BC
+    words = (payload_ptr + off_signmant + first * 3).to(tl.pointer_type(tl.int32), bitcast=True)
+    g3 = tl.arange(0, N // 4) * 3
+    w0 = tl.load(words + g3)
+    w1 = tl.load(words + g3 + 1)
+    w2 = tl.load(words + g3 + 2)
+    s0 = w0 & 0xFFFFFF
+    s1 = ((w0 >> 24) & 0xFF) | ((w1 & 0xFFFF) << 8)
+    s2 = ((w1 >> 16) & 0xFFFF) | ((w2 & 0xFF) << 16)
+    s3 = (w2 >> 8) & 0xFFFFFF
+    return tl.reshape(tl.join(tl.join(s0, s2), tl.join(s1, s3)), [TB, BC])
+
+
+@triton.jit
+def _fields(bits_ptr, state_ptr, out_ptr, offs, inside, first, off_signmant, off_planes, plane_bytes,
+            TB: tl.constexpr, BC: tl.constexpr, TOTAL_BITS: tl.constexpr, EXP_BITS: tl.constexpr,
+            MANT_BITS: tl.constexpr, SM_BYTES: tl.constexpr, N_PLANES: tl.constexpr, WORDS: tl.constexpr,
+            EVEN: tl.constexpr):
+    """One ``[TB, BC]`` chunk of the encoder: writes its sign|mantissa bytes, bit planes and new
+    exponents (into ``state``); returns (new exponents, 1 per block row where one differs).
+    ``WORDS``: the chunk is ``TB * BC`` contiguous values from ``first`` and fp32's 3 bytes per
+    value go out as words (full tiles; a partial one stores bytes, exactly up to the shard's end)."""
+    x = _ld(bits_ptr + offs, inside, EVEN).to(tl.int32)
+    # Fields, all masked after shifting: the sign extension of 16-bit patterns never leaks.
+    exp = (x >> MANT_BITS) & ((1 << EXP_BITS) - 1)
+    sm = (x & ((1 << MANT_BITS) - 1)) | (((x >> (TOTAL_BITS - 1)) & 1) << MANT_BITS)
+    # Outside the shard x = 0, so sm = 0: plane padding bits come out 0, as pack_bits pads.
+    old = _ld(state_ptr + offs, inside, EVEN).to(tl.int32)
+    if EVEN:
+        diff = (exp != old).to(tl.int32)
+    else:
         diff = ((exp != old) & inside).to(tl.int32)
-        changed = tl.maximum(changed, tl.max(diff, axis=1))
-        # Each value's state byte is read and written by this program only.
-        _st(state_ptr + offs, exp.to(tl.uint8), inside, EVEN)
+    # Each value's state byte is read and written by this program only.
+    _st(state_ptr + offs, exp.to(tl.uint8), inside, EVEN)
+    if WORDS and EVEN:
+        _store_sm24(out_ptr, off_signmant, first, sm, TB * BC)
+    else:
         for k in tl.static_range(SM_BYTES):
             _st(out_ptr + off_signmant + offs * SM_BYTES + k, ((sm >> (8 * k)) & 0xFF).to(tl.uint8), inside, EVEN)
-        if N_PLANES > 0:
-            # Groups of 8 consecutive values make one plane byte: BC >= 8, or BC == B < 8 and the
-            # chunk is TB * B contiguous values; either way row-major groups of 8 are consecutive.
-            groups = tl.reshape(offs, [TB * BC // 8, 8])
-            byte_idx = tl.min(groups, axis=1) // 8
-            weights = (1 << tl.arange(0, 8))[None, :]
-            for p in tl.static_range(N_PLANES):
-                bit = (sm >> (8 * SM_BYTES + p)) & 1
-                byte = tl.sum(tl.reshape(bit, [TB * BC // 8, 8]) * weights, axis=1)
-                tl.store(out_ptr + off_planes + p * plane_bytes + byte_idx, byte.to(tl.uint8),
-                         mask=byte_idx < plane_bytes)
+    if N_PLANES > 0:
+        # Groups of 8 consecutive values make one byte of each plane: BC >= 8, or BC == B < 8 and
+        # the chunk is TB * B contiguous values; either way row-major groups of 8 are consecutive.
+        # Plane p's bit of value j of a group goes to bit 8 p + j of one word per group (the bits
+        # are disjoint: the sum is an OR), so all planes take one reduction.
+        hb = sm >> (8 * SM_BYTES)
+        spread = hb & 1
+        for p in tl.static_range(1, N_PLANES):
+            spread |= ((hb >> p) & 1) << (8 * p)
+        groups = tl.reshape(offs, [TB * BC // 8, 8])
+        byte_idx = tl.min(groups, axis=1) // 8
+        word = tl.sum(tl.reshape(spread, [TB * BC // 8, 8]) << tl.arange(0, 8)[None, :], axis=1)
+        for p in tl.static_range(N_PLANES):
+            tl.store(out_ptr + off_planes + p * plane_bytes + byte_idx, ((word >> (8 * p)) & 0xFF).to(tl.uint8),
+                     mask=byte_idx < plane_bytes)
+    return exp, tl.max(diff, axis=1)
+
+
+@triton.jit
+def _encode_tiles(bits_ptr, state_ptr, out_ptr, counter_ptr, flags_ptr, needed_ptr, n, n_blocks, n_full, n_tiles,
+                  off_signmant, off_planes, plane_bytes, off_bitmap, off_exps, slots,
+                  B: tl.constexpr, TB: tl.constexpr, BC: tl.constexpr, TOTAL_BITS: tl.constexpr,
+                  EXP_BITS: tl.constexpr, MANT_BITS: tl.constexpr, SM_BYTES: tl.constexpr,
+                  N_PLANES: tl.constexpr, WORDS: tl.constexpr, EVEN: tl.constexpr):
+    epoch, _, tile = tile_ticket(counter_ptr, 1, n_full, n_tiles, EVEN)
+    blocks = tile * TB + tl.arange(0, TB)                     # [TB] block ids of this tile
+    cols = tl.arange(0, BC)
+    if B == BC:  # one chunk: the new exponents stay in registers
+        offs = blocks[:, None] * B + cols[None, :]            # [TB, BC] value index (int64)
+        inside = offs < n
+        exp, changed = _fields(bits_ptr, state_ptr, out_ptr, offs, inside, tile * TB * B, off_signmant, off_planes,
+                               plane_bytes, TB, BC, TOTAL_BITS, EXP_BITS, MANT_BITS, SM_BYTES, N_PLANES, WORDS, EVEN)
+    else:
+        changed = tl.zeros([TB], dtype=tl.int32)              # 1 where some exponent differs
+        for j in range(0, B, BC):
+            offs = blocks[:, None] * B + j + cols[None, :]
+            _, c = _fields(bits_ptr, state_ptr, out_ptr, offs, offs < n, tile * TB * B + j, off_signmant,
+                           off_planes, plane_bytes, TB, BC, TOTAL_BITS, EXP_BITS, MANT_BITS, SM_BYTES, N_PLANES,
+                           False, EVEN)
+            changed = tl.maximum(changed, c)
     # TB is a multiple of 8: this tile owns bitmap bytes [tile * TB / 8, (tile + 1) * TB / 8).
     bm = tl.sum(tl.reshape(changed, [TB // 8, 8]) * (1 << tl.arange(0, 8))[None, :], axis=1)
     bm_idx = tile * (TB // 8) + tl.arange(0, TB // 8)
     tl.store(out_ptr + off_bitmap + bm_idx, bm.to(tl.uint8), mask=bm_idx * 8 < n_blocks)
-    tl.store(counts_ptr + tile, tl.sum(changed, axis=0))
-
-
-@triton.jit
-def _encode_exps(state_ptr, out_ptr, first_ptr, n, n_blocks, off_bitmap, off_exps, slots,
-                 B: tl.constexpr, TB: tl.constexpr, BC: tl.constexpr):
-    tile = tl.program_id(0).to(tl.int64)
-    blocks = tile * TB + tl.arange(0, TB)
-    cols = tl.arange(0, BC)
-    flag = _changed_flags(out_ptr, off_bitmap, blocks, n_blocks)
-    # Slot of a changed block: changed blocks before its tile + changed blocks before it in the tile.
-    slot = tl.load(first_ptr + tile) + (tl.cumsum(flag, axis=0) - flag).to(tl.int64)
-    write = (flag != 0) & (slot < slots)                      # only the first `slots` fit
-    for j in range(0, B, BC):
-        offs = blocks[:, None] * B + j + cols[None, :]
-        # state holds the new exponents; padding past the shard is sent as 0.
-        e = tl.load(state_ptr + offs, mask=write[:, None] & (offs < n), other=0)
-        tl.store(out_ptr + off_exps + slot[:, None] * B + j + cols[None, :], e, mask=write[:, None])
-
-
-@triton.jit
-def _row_bases(rows_ptr, offsets_ptr, n, BATCHED: tl.constexpr):
-    """(payload byte offset, target value offset) of this program's row: ``program_id(1)`` indexes
-    ``rows`` / ``offsets`` in a batched decode; (0, 0) otherwise."""
-    if BATCHED:
-        r = tl.program_id(1)
-        # Payloads start 16-byte aligned (see Codec.decode_many): lets the sign|mantissa bytes vectorise.
-        return tl.multiple_of(tl.load(offsets_ptr + r), 16), tl.load(rows_ptr + r) * n
+    # Slot of a changed block: changed blocks of earlier tiles (look-back) + earlier in this tile.
+    count = tl.sum(changed, axis=0).to(tl.int64)
+    first = look_back(flags_ptr, tile, count, epoch)
+    slot = first + (tl.cumsum(changed, axis=0) - changed).to(tl.int64)
+    write = (changed != 0) & (slot < slots)                   # only the first `slots` fit
+    if B == BC:
+        # padding past the shard is sent as 0
+        e = exp if EVEN else tl.where(inside, exp, 0)
+        tl.store(out_ptr + off_exps + slot[:, None] * B + cols[None, :], e.to(tl.uint8), mask=write[:, None])
     else:
-        return tl.zeros([], tl.int64), tl.zeros([], tl.int64)
+        tl.debug_barrier()  # state (the new exponents) was written by other threads of this program
+        for j in range(0, B, BC):
+            offs = blocks[:, None] * B + j + cols[None, :]
+            e = tl.load(state_ptr + offs, mask=write[:, None] & (offs < n), other=0)
+            tl.store(out_ptr + off_exps + slot[:, None] * B + j + cols[None, :], e, mask=write[:, None])
+    if tile == n_tiles - 1:
+        tl.store(needed_ptr, off_exps + (first + count) * B)
 
 
 @triton.jit
-def _count_changed(payload_ptr, counts_ptr, rows_ptr, offsets_ptr, n, n_blocks, n_tiles, off_bitmap,
-                   TB: tl.constexpr, BATCHED: tl.constexpr):
-    tile = tl.program_id(0).to(tl.int64)
-    pbase, _ = _row_bases(rows_ptr, offsets_ptr, n, BATCHED)
-    blocks = tile * TB + tl.arange(0, TB)
-    flags = _changed_flags(payload_ptr + pbase, off_bitmap, blocks, n_blocks)
-    tl.store(counts_ptr + tl.program_id(1).to(tl.int64) * n_tiles + tile, tl.sum(flags, axis=0))
-
-
-@triton.jit
-def _decode_values(payload_ptr, target_ptr, first_ptr, rows_ptr, offsets_ptr, n, n_blocks, n_tiles, capacity,
-                   off_signmant, off_planes, plane_bytes, off_bitmap, off_exps, tile0,
-                   B: tl.constexpr, TB: tl.constexpr, BC: tl.constexpr, TOTAL_BITS: tl.constexpr,
-                   EXP_BITS: tl.constexpr, MANT_BITS: tl.constexpr, SM_BYTES: tl.constexpr,
-                   N_PLANES: tl.constexpr, BATCHED: tl.constexpr, EVEN: tl.constexpr):
-    tile = tl.program_id(0).to(tl.int64) + tile0
-    pbase, tbase = _row_bases(rows_ptr, offsets_ptr, n, BATCHED)
-    payload_ptr += pbase
-    target_ptr += tbase
+def _decode_tiles(payload_ptr, target_ptr, counter_ptr, flags_ptr, rows_ptr, offsets_ptr, n, k, n_blocks, n_full,
+                  n_tiles, capacity, off_signmant, off_planes, plane_bytes, off_bitmap, off_exps,
+                  B: tl.constexpr, TB: tl.constexpr, BC: tl.constexpr, TOTAL_BITS: tl.constexpr,
+                  EXP_BITS: tl.constexpr, MANT_BITS: tl.constexpr, SM_BYTES: tl.constexpr,
+                  N_PLANES: tl.constexpr, WORDS: tl.constexpr, BATCHED: tl.constexpr, EVEN: tl.constexpr):
+    epoch, row, tile = tile_ticket(counter_ptr, k, n_full, n_tiles, EVEN)
     if BATCHED:
+        # Payloads start 16-byte aligned (see Codec.decode_many): lets the sign|mantissa bytes vectorise.
+        payload_ptr += tl.multiple_of(tl.load(offsets_ptr + row), 16)
+        target_ptr += tl.load(rows_ptr + row) * n
         # Capacity of this row's payload: header word 3 (the payload's own length).
         capacity = tl.load((payload_ptr + 24).to(tl.pointer_type(tl.int64), bitcast=True))
     blocks = tile * TB + tl.arange(0, TB)
     cols = tl.arange(0, BC)
     flag = _changed_flags(payload_ptr, off_bitmap, blocks, n_blocks)
-    slot = tl.load(first_ptr + tl.program_id(1).to(tl.int64) * n_tiles + tile) + \
-        (tl.cumsum(flag, axis=0) - flag).to(tl.int64)
+    count = tl.sum(flag, axis=0).to(tl.int64)
+    slot = look_back(flags_ptr + row * n_tiles, tile, count, epoch) + (tl.cumsum(flag, axis=0) - flag).to(tl.int64)
     sent = (flag != 0)[:, None]
     for j in range(0, B, BC):
         offs = blocks[:, None] * B + j + cols[None, :]
         inside = offs < n
-        sm = tl.zeros([TB, BC], dtype=tl.int32)
-        for k in tl.static_range(SM_BYTES):
-            byte = _ld(payload_ptr + off_signmant + offs * SM_BYTES + k, inside, EVEN)
-            sm = sm | (byte.to(tl.int32) << (8 * k))
-        for p in tl.static_range(N_PLANES):
-            byte = _ld(payload_ptr + off_planes + p * plane_bytes + offs // 8, inside, EVEN)
-            sm = sm | (((byte.to(tl.int32) >> (offs % 8).to(tl.int32)) & 1) << (8 * SM_BYTES + p))
+        if WORDS and EVEN:  # fp32, contiguous chunk (B == BC), full tile: 3 words per 4 values
+            sm = _load_sm24(payload_ptr, off_signmant, tile * TB * B, TB, BC)
+        else:
+            sm = tl.zeros([TB, BC], dtype=tl.int32)
+            for b in tl.static_range(SM_BYTES):
+                byte = _ld(payload_ptr + off_signmant + offs * SM_BYTES + b, inside, EVEN)
+                sm = sm | (byte.to(tl.int32) << (8 * b))
+        if N_PLANES > 0:
+            # One byte per plane per group of 8 values, combined into one word (plane p at bits
+            # 8 p ..), then spread back to the group's values.
+            g8 = tl.min(tl.reshape(offs, [TB * BC // 8, 8]), axis=1) // 8
+            gin = g8 < plane_bytes
+            word = tl.zeros([TB * BC // 8], dtype=tl.int32)
+            for p in tl.static_range(N_PLANES):
+                pb = _ld(payload_ptr + off_planes + p * plane_bytes + g8, gin, EVEN)
+                word |= pb.to(tl.int32) << (8 * p)
+            bits = tl.reshape(word[:, None] >> tl.arange(0, 8)[None, :], [TB, BC])
+            for p in tl.static_range(N_PLANES):
+                sm = sm | (((bits >> (8 * p)) & 1) << (8 * SM_BYTES + p))
         old = _ld(target_ptr + offs, inside, EVEN).to(tl.int32)
         exp_old = (old >> MANT_BITS) & ((1 << EXP_BITS) - 1)
         # A valid (non-overflowed) payload holds every changed block's slot; the capacity bound
@@ -209,26 +261,17 @@ def _decode_values(payload_ptr, target_ptr, first_ptr, rows_ptr, offsets_ptr, n,
         _st(target_ptr + offs, val.to(target_ptr.dtype.element_ty), inside, EVEN)
 
 
-
-
 def _fmt_args(layout: ExponentReuseLayout) -> dict:
     fmt = layout.fmt
     return dict(TOTAL_BITS=fmt.total_bits, EXP_BITS=fmt.exp_bits, MANT_BITS=fmt.mant_bits,
                 SM_BYTES=layout.sm_bytes, N_PLANES=layout.n_planes)
 
 
-def _splits(n: int, tile_len: int, n_tiles: int, k: int | None = None):
-    """(grid, first tile, EVEN) of the launches over a shard: full tiles unmasked, then the
-    partial last tile (if any) masked. ``k``: rows of a batched decode (grid axis 1)."""
-    full = n // tile_len
-    parts = [(full, 0, True), (n_tiles - full, full, False)]
-    return [((count,) if k is None else (count, k), tile0, even) for count, tile0, even in parts if count]
-
-
-def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
-    """First slot of every tile (int64, on device)."""
-    inclusive = torch.cumsum(counts, 0, dtype=torch.int64)
-    return inclusive - counts
+def _geometry(n: int, block_size: int, tile_values: int) -> tuple[int, int, int, int]:
+    """(TB, BC, full tiles, tiles) of a shard: full tiles run unmasked, a partial last tile in a
+    second launch of the same kernel."""
+    tb, bc = _tile_shape(block_size, tile_values)
+    return tb, bc, n // (tb * block_size), -(-n // (tb * block_size))
 
 
 def _encode(*, layout: ExponentReuseLayout, shard_bits: torch.Tensor, state: torch.Tensor, out: torch.Tensor,
@@ -240,53 +283,53 @@ def _encode(*, layout: ExponentReuseLayout, shard_bits: torch.Tensor, state: tor
                          f"{state.dtype}; layout expects {n} values and uint8 state")
     if n == 0:
         return torch.tensor(layout.off_exps, dtype=torch.int64, device=out.device)
-    tb, bc = _tile_shape(B, tile_values)
-    n_tiles = -(-nb // tb)
-    counts = torch.empty(n_tiles, dtype=torch.int32, device=out.device)
-    for grid, tile0, even in _splits(n, tb * B, n_tiles):
-        _encode_fields[grid](
-            shard_bits, state, out, counts, n, nb, layout.off_signmant, layout.off_planes, layout.plane_bytes,
-            layout.off_bitmap, tile0, B=B, TB=tb, BC=bc, **_fmt_args(layout), EVEN=even, num_warps=_NUM_WARPS)
-    slots = layout.slots(out.numel())
-    if slots > 0:
-        first = _exclusive_cumsum(counts)
-        _encode_exps[(n_tiles,)](state, out, first, n, nb, layout.off_bitmap, layout.off_exps, slots,
-                                 B=B, TB=tb, BC=bc, num_warps=_NUM_WARPS)
-    return layout.off_exps + counts.sum(dtype=torch.int64) * B
+    tb, bc, n_full, n_tiles = _geometry(n, B, tile_values)
+    s = scratch(("exponent_reuse.encode", n_tiles, 1), out.device, n_tiles)
+    needed = s["needed"]
+    args = (shard_bits, state, out, s["counter"], s["flags"], needed, n, nb, n_full, n_tiles, layout.off_signmant,
+            layout.off_planes, layout.plane_bytes, layout.off_bitmap, layout.off_exps, layout.slots(out.numel()))
+    kw = dict(B=B, TB=tb, BC=bc, **_fmt_args(layout), WORDS=layout.sm_bytes == 3 and bc == B,
+              num_warps=_NUM_WARPS)
+    if n_full:
+        _encode_tiles[(n_full,)](*args, EVEN=True, **kw)
+    if n_tiles > n_full:
+        _encode_tiles[(1,)](*args, EVEN=False, **kw)
+    return needed[0].clone()
+
+
+def _decode_rows(layout: ExponentReuseLayout, payload: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor,
+                 offsets: torch.Tensor, k: int, batched: bool, tile_values: int) -> None:
+    n, B, nb = layout.numel, layout.block_size, layout.n_blocks
+    tb, bc, n_full, n_tiles = _geometry(n, B, tile_values)
+    s = scratch(("exponent_reuse.decode_many" if batched else "exponent_reuse.decode", n_tiles, k), payload.device,
+                k * n_tiles)
+    args = (payload, targets, s["counter"], s["flags"], rows, offsets, n, k, nb, n_full, n_tiles,
+            0 if batched else payload.numel(), layout.off_signmant, layout.off_planes, layout.plane_bytes,
+            layout.off_bitmap, layout.off_exps)
+    kw = dict(B=B, TB=tb, BC=bc, **_fmt_args(layout), WORDS=layout.sm_bytes == 3 and bc == B, BATCHED=batched,
+              num_warps=_NUM_WARPS)
+    if n_full:
+        _decode_tiles[(k * n_full,)](*args, EVEN=True, **kw)
+    if n_tiles > n_full:
+        _decode_tiles[(k,)](*args, EVEN=False, **kw)
 
 
 def _decode(*, layout: ExponentReuseLayout, payload: torch.Tensor, target_bits: torch.Tensor,
             tile_values: int = _TILE_VALUES) -> None:
     """:func:`decode_triton` with a chosen chunk size (tests use small ones for many tiles)."""
-    n, B, nb = layout.numel, layout.block_size, layout.n_blocks
+    n = layout.numel
     if target_bits.numel() != n or not target_bits.is_contiguous():
         raise ValueError(f"exponent_reuse: target has {target_bits.numel()} values "
                          f"(contiguous={target_bits.is_contiguous()}); layout expects {n} contiguous")
     if n == 0:
         return
-    tb, bc = _tile_shape(B, tile_values)
-    n_tiles = -(-nb // tb)
-    counts = torch.empty(n_tiles, dtype=torch.int32, device=payload.device)
-    _count_changed[(n_tiles,)](payload, counts, counts, counts, n, nb, n_tiles, layout.off_bitmap, TB=tb, BATCHED=False)
-    first = _exclusive_cumsum(counts)
-    for grid, tile0, even in _splits(n, tb * B, n_tiles):
-        _decode_values[grid](
-            payload, target_bits, first, first, first, n, nb, n_tiles, payload.numel(), layout.off_signmant,
-            layout.off_planes, layout.plane_bytes, layout.off_bitmap, layout.off_exps, tile0, B=B, TB=tb, BC=bc,
-            **_fmt_args(layout), BATCHED=False, EVEN=even, num_warps=_NUM_WARPS)
-
-
-@functools.lru_cache(maxsize=64)
-def _many_scratch(n_tiles: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(per-tile counts, first slots) of a batched decode, ``[k, n_tiles]`` each, cached per shape."""
-    return (torch.empty(k, n_tiles, dtype=torch.int32, device=device),
-            torch.empty(k, n_tiles, dtype=torch.int64, device=device))
+    _decode_rows(layout, payload, target_bits, payload, payload, 1, False, tile_values)
 
 
 def _decode_many(*, layout: ExponentReuseLayout, payloads: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor,
                  targets_bits: torch.Tensor, tile_values: int = _TILE_VALUES) -> None:
     """:func:`decode_many_triton` with a chosen chunk size."""
-    n, B, nb = layout.numel, layout.block_size, layout.n_blocks
+    n = layout.numel
     k = rows.numel()
     if targets_bits.dim() != 2 or targets_bits.shape[1] != n or not targets_bits.is_contiguous():
         raise ValueError(f"exponent_reuse: targets_bits must be a contiguous [world, {n}] tensor; "
@@ -295,18 +338,7 @@ def _decode_many(*, layout: ExponentReuseLayout, payloads: torch.Tensor, rows: t
         raise ValueError("exponent_reuse: rows and offsets must be int64 tensors of the same length")
     if n == 0 or k == 0:
         return
-    tb, bc = _tile_shape(B, tile_values)
-    n_tiles = -(-nb // tb)
-    counts, first = _many_scratch(n_tiles, k, payloads.device)
-    _count_changed[(n_tiles, k)](payloads, counts, rows, offsets, n, nb, n_tiles, layout.off_bitmap, TB=tb,
-                                 BATCHED=True)
-    torch.cumsum(counts, 1, dtype=torch.int64, out=first)
-    first -= counts
-    for grid, tile0, even in _splits(n, tb * B, n_tiles, k):
-        _decode_values[grid](
-            payloads, targets_bits, first, rows, offsets, n, nb, n_tiles, 0, layout.off_signmant,
-            layout.off_planes, layout.plane_bytes, layout.off_bitmap, layout.off_exps, tile0, B=B, TB=tb, BC=bc,
-            **_fmt_args(layout), BATCHED=True, EVEN=even, num_warps=_NUM_WARPS)
+    _decode_rows(layout, payloads, targets_bits, rows, offsets, k, True, tile_values)
 
 
 def encode_triton(*, layout: ExponentReuseLayout, shard_bits: torch.Tensor, state: torch.Tensor,
@@ -325,6 +357,6 @@ def decode_many_triton(*, layout: ExponentReuseLayout, payloads: torch.Tensor, r
                        offsets: torch.Tensor, targets_bits: torch.Tensor) -> None:
     """Batched twin of :func:`decode_triton` (see Codec.decode_many): payload ``i`` starts at byte
     ``offsets[i]`` of ``payloads`` and decodes into row ``rows[i]`` of ``targets_bits``
-    (``[world, n]``). Two launches and one cumsum whatever ``k``; no host reads; scratch cached
-    per (tiles, k, device). Each payload's capacity comes from its own header."""
+    (``[world, n]``). One launch (two with a partial last tile) whatever ``k``; no host reads;
+    scratch cached per (tiles, k, device, stream). Each payload's capacity comes from its own header."""
     _decode_many(layout=layout, payloads=payloads, rows=rows, offsets=offsets, targets_bits=targets_bits)

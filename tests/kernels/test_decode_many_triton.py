@@ -33,6 +33,7 @@ def _kernels(name):
                                        InterpretedFunction):
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("triton was imported without TRITON_INTERPRET")
+        importlib.reload(importlib.import_module("ciera.kernels.lookback"))
         mod = importlib.reload(mod)
     return mod
 
