@@ -20,14 +20,15 @@ ENV = "TESTBED_AUTOGROUP_NICE"
 
 
 def set_autogroup_nice(value: str | None) -> None:
-    """Write ``value`` to ``/proc/self/autogroup`` (no-op when None or empty; a kernel without
-    autogroup scheduling has no such file, which is not an error)."""
+    """Write ``value`` to ``/proc/self/autogroup`` (no-op when None or empty). A kernel without
+    autogroup scheduling has no such file, and one booted with it off refuses the write (the
+    session stays in the root group): neither is an error, the priority just does not apply."""
     if not value:
         return
     try:
         with open("/proc/self/autogroup", "w") as f:
             f.write(str(int(value)))
-    except FileNotFoundError:
+    except OSError:
         pass
 
 
