@@ -4,7 +4,7 @@ Layout, as Megatron-LM writes it::
 
     <save>/latest_checkpointed_iteration.txt      the tracker: written last, atomically
     <save>/iter_0000010/                           megatron-core dist_checkpointing (torch_dist)
-        common.pt metadata.json .metadata __*.distcp
+        metadata.json .metadata *.distcp  (+ common.pt on megatron-core 0.16; 0.19 keeps it in the .distcp)
         checksums.sha256                           (CIERA-Megatron) ``sha256sum -c`` format
 
 The state dict has Megatron-LM's keys: ``model`` (GPTModel's own ``sharded_state_dict``, the keys
@@ -52,6 +52,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from megatron.ciera import torch_checkpoint
 
 __all__ = ["TRACKER", "CHECKSUMS", "preflight", "save", "write", "async_queue", "finalize_async_saves", "load", "latest_iteration", "iteration_dir",
            "complete_iterations", "verify"]
@@ -363,8 +365,9 @@ def verify(folder: str) -> list[str]:
     problems = []
     if not os.path.isdir(folder):
         problems.append(f"{folder} does not exist")
-    elif not os.path.isfile(os.path.join(folder, "metadata.json")):
-        problems.append(f"{os.path.join(folder, 'metadata.json')} is missing (not a complete torch_dist checkpoint)")
+    elif not (os.path.isfile(os.path.join(folder, "metadata.json")) or torch_checkpoint.is_torch_checkpoint(folder)):
+        problems.append(f"{os.path.join(folder, 'metadata.json')} is missing (not a complete torch_dist checkpoint, "
+                        f"nor a torch one with mp_rank_*/{torch_checkpoint.MODEL_FILE})")
     elif os.path.isfile(listing):
         with open(listing) as f:
             expected = dict(reversed(line.rstrip("\n").split("  ", 1)) for line in f if line.strip())
@@ -465,6 +468,10 @@ def save(args: argparse.Namespace, *, iteration: int, model, optimizer, schedule
 
     The model's parameter buffers must hold the gathered parameters (the caller forces a
     synchronous gather first under ``--overlap-param-gather``)."""
+    if getattr(args, "ckpt_format", "torch_dist") == "torch":
+        _save_torch(args, iteration=iteration, model=model, optimizer=optimizer, scheduler=scheduler,
+                    flops_so_far=flops_so_far)
+        return
     state = _sharded_state_dict(model, optimizer, metadata=_CONTENT_METADATA, with_optimizer=not args.no_save_optim,
                                 with_rng=not args.no_save_rng, is_loading=False)
     state.update(iteration=iteration, checkpoint_version=CHECKPOINT_VERSION, args=_saved_args(args, iteration),
@@ -472,6 +479,25 @@ def save(args: argparse.Namespace, *, iteration: int, model, optimizer, schedule
     if not args.no_save_optim:
         state["opt_param_scheduler"] = scheduler.state_dict()
     write(state, root=args.save, iteration=iteration, queue=queue)
+
+
+def _save_torch(args, *, iteration: int, model, optimizer, scheduler, flops_so_far: float) -> None:
+    """``--ckpt-format torch``: per-rank files (:mod:`megatron.ciera.torch_checkpoint`) written into
+    ``iter_N.incomplete`` and published as the torch_dist ones are (checksums, rename, tracker)."""
+    partial = iteration_dir(args.save, iteration) + INCOMPLETE
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+    dist.barrier()
+    state = dict(iteration=iteration, checkpoint_version=CHECKPOINT_VERSION, args=_saved_args(args, iteration),
+                 num_floating_point_operations_so_far=flops_so_far)
+    if not args.no_save_optim:
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    if not args.no_save_rng:
+        state["rng_state"] = [_rng_state()]  # DP rank 0's, as Megatron-LM without --data-parallel-random-init
+    torch_checkpoint.save(partial, state=state, model_chunks=[(k, _unwrap(c)) for k, c in _model_keys(model)],
+                          optimizer=optimizer, with_optimizer=not args.no_save_optim)
+    _publish(args.save, iteration)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -562,6 +588,65 @@ def _torch_adam_step_fix(optimizer):
                 state["step"] = state["step"].clone()
 
 
+def _saved_optimizers(loaded: dict) -> list[dict]:
+    """The per-optimizer common parts of a loaded optimizer state: one (a plain distributed
+    optimizer) or one per chained optimizer (keys 0, 1, ...: dense, then expert parameters)."""
+    if "optimizer" in loaded:
+        return [loaded]
+    return [loaded[k] for k in sorted(k for k in loaded if isinstance(k, int) and "optimizer" in loaded[k])]
+
+
+def _matching_group(group: dict, saved_groups: list[dict]) -> dict:
+    """The checkpoint's parameter group for this run's ``group``: the same identifier keys
+    (weight-decay and LR multipliers, decoupled LR), and ``is_expert_parallel`` too where the
+    checkpoint has such a group (at EP 1 the experts join the dense groups)."""
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys as keys
+
+    def ident(g, with_ep):
+        return tuple(g.get(k, g.get(f"pre_{k}")) for k in keys if with_ep or k != "is_expert_parallel")
+
+    for with_ep in (True, False):
+        found = [g for g in saved_groups if ident(g, with_ep) == ident(group, with_ep)]
+        if found:
+            return {**found[0], "is_expert_parallel": group.get("is_expert_parallel", False)}
+    raise SystemExit(f"the checkpoint has no optimizer parameter group like this run's {ident(group, True)} "
+                     f"({keys}); pass --no-load-optim to start with a fresh optimizer")
+
+
+def _fit_optimizer_layout(loaded: dict, optimizer) -> dict:
+    """The loaded optimizer state in the structure of this run's optimizer.
+
+    megatron-core keeps the expert parameters in an optimizer of their own only at EP > 1 (at EP 1
+    they are ordinary data-parallel parameters): a checkpoint written at another EP size holds
+    the optimizers' common part (parameter groups, step) for another number of chained
+    optimizers, while the ``fully_reshardable`` tensors, keyed by model parameter, already land
+    where this run's request put them. Megatron-LM's loader passes that mismatch on to
+    ``ChainedOptimizer.load_state_dict`` (``KeyError: 'optimizer'`` from EP 2 to EP 1, a count
+    error from EP 1 to EP 2); here each of this run's optimizers gets the checkpoint's groups
+    that match its own. A structure that already matches is returned as is."""
+    subs = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    saved = _saved_optimizers(loaded)
+    single = len(subs) == 1
+    if (single and "optimizer" in loaded) or (not single and len(saved) == len(subs) and "optimizer" not in loaded):
+        return loaded
+    kinds = {s.get("param_state_sharding_type") for s in saved}
+    if not kinds <= {"fully_reshardable", "fully_sharded_model_space"}:
+        raise SystemExit(f"the checkpoint's optimizer ({len(saved)} chained, sharding {sorted(map(str, kinds))}) "
+                         f"cannot load into this run's {len(subs)} optimizers: only a fully reshardable optimizer "
+                         "state changes its expert-parallel size (save it with this repo, or pass --no-load-optim)")
+    saved_groups = [g for s in saved for g in s["optimizer"]["param_groups"]]
+    out = {}
+    for i, sub in enumerate(subs):
+        part = {k: v for k, v in saved[0].items() if isinstance(k, str) and k not in ("optimizer", "param_state")}
+        part["optimizer"] = {k: v for k, v in saved[0]["optimizer"].items() if k != "param_groups"}
+        part["optimizer"]["param_groups"] = [_matching_group(g, saved_groups) for g in sub.optimizer.param_groups]
+        tensors = loaded if single else loaded.get(i, {})
+        if "param_state" in tensors:
+            part["param_state"] = tensors["param_state"]
+        out[i] = part
+    return out[0] if single else out
+
+
 @torch.no_grad()
 def load(args: argparse.Namespace, *, model, optimizer, scheduler) -> int:
     """Collective: restore the checkpoint ``--load`` / ``--ckpt-step`` names; returns the iteration
@@ -573,6 +658,12 @@ def load(args: argparse.Namespace, *, model, optimizer, scheduler) -> int:
     plan = _choose(args)
     if plan is None:
         return 0
+    fmt = "torch" if torch_checkpoint.is_torch_checkpoint(plan.folder) else "torch_dist"
+    if fmt != getattr(args, "ckpt_format", "torch_dist"):
+        raise SystemExit(f"{plan.folder} is a --ckpt-format {fmt} checkpoint but this run has --ckpt-format "
+                         f"{args.ckpt_format}: pass --ckpt-format {fmt} to load it")
+    if fmt == "torch":
+        return _load_torch(args, plan, model=model, optimizer=optimizer, scheduler=scheduler)
     common = dist_checkpointing.load_common_state_dict(plan.folder)
     saved_args = common.get("args")
     if saved_args is not None:
@@ -594,7 +685,7 @@ def load(args: argparse.Namespace, *, model, optimizer, scheduler) -> int:
         _unwrap(chunk).load_state_dict(state[key], strict=args.dist_ckpt_strictness != "ignore_all")
     if with_optimizer:
         with _torch_adam_step_fix(optimizer):
-            optimizer.load_state_dict(state["optimizer"])
+            optimizer.load_state_dict(_fit_optimizer_layout(state["optimizer"], optimizer))
         scheduler.load_state_dict(state["opt_param_scheduler"])
     else:
         optimizer.reload_model_params()  # main (fp32) parameters from the loaded model
@@ -605,3 +696,27 @@ def load(args: argparse.Namespace, *, model, optimizer, scheduler) -> int:
             + ("; --finetune: starting at iteration 0" if args.finetune else ""))
     return iteration
 
+
+def _load_torch(args, plan: _LoadPlan, *, model, optimizer, scheduler) -> int:
+    """``--ckpt-format torch``: this rank's files, at the layout that wrote them (checked first)."""
+    state = torch_checkpoint.load(plan.folder)
+    saved_args = state.get("args")
+    if saved_args is not None:
+        _check_shapes(saved_args, args)
+        torch_checkpoint.check_layout(saved_args, args)
+    for key, chunk in _model_keys(model):
+        _unwrap(chunk).load_state_dict(state[key], strict=args.dist_ckpt_strictness != "ignore_all")
+    with_optimizer = not (args.finetune or args.no_load_optim) and "optimizer" in state
+    if with_optimizer:
+        with _torch_adam_step_fix(optimizer):
+            optimizer.load_state_dict(state["optimizer"])
+            optimizer.load_parameter_state(torch_checkpoint.optimizer_file(plan.folder))
+        scheduler.load_state_dict(state["opt_param_scheduler"])
+    else:
+        optimizer.reload_model_params()  # main (fp32) parameters from the loaded model
+    if not (args.finetune or args.no_load_rng) and "rng_state" in state:
+        _set_rng_state(state["rng_state"][0])
+    iteration = 0 if args.finetune else int(state.get("iteration", plan.iteration))
+    _print0(f"loaded checkpoint {plan.folder} (iteration {plan.iteration}, --ckpt-format torch)"
+            + ("; --finetune: starting at iteration 0" if args.finetune else ""))
+    return iteration

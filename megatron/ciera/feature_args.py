@@ -40,7 +40,7 @@ def add_checkpoint_eval_data_logging_args(parser: argparse.ArgumentParser) -> ar
     g.add_argument("--ckpt-step", type=int, default=None, help="with --load: this iteration instead of the latest")
     g.add_argument("--ckpt-format", default="torch_dist",
                    choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"],
-                   help="checkpoint format; this entry point writes and reads torch_dist")
+                   help="checkpoint format: torch_dist (default) or torch (legacy per-rank files)")
     g.add_argument("--async-save", action="store_true",
                    help="write checkpoints in a background process (megatron-core's async dist-ckpt); each "
                         "becomes the latest only once every rank's write is done")
@@ -124,9 +124,12 @@ def feature_dests() -> frozenset:
 
 def validate_checkpoint_eval_data_logging_args(args: argparse.Namespace, err: Callable[[str], None]) -> None:
     """Report every invalid combination of the flags above through ``err`` (messages name the flags)."""
-    if args.ckpt_format != "torch_dist":
-        err(f"--ckpt-format {args.ckpt_format}: this entry point writes and reads torch_dist checkpoints "
-            "(megatron-core dist_checkpointing); convert others with Megatron-LM's tools/checkpoint")
+    if args.ckpt_format not in ("torch_dist", "torch"):
+        err(f"--ckpt-format {args.ckpt_format}: this entry point writes and reads torch_dist (megatron-core "
+            "dist_checkpointing) and torch (legacy per-rank files) checkpoints; convert others with "
+            "Megatron-LM's tools/checkpoint")
+    if args.ckpt_format == "torch" and args.async_save:
+        err("--async-save needs --ckpt-format torch_dist (as upstream)")
     for name in ("save_interval", "eval_interval", "log_interval", "tensorboard_log_interval", "exit_interval"):
         value = getattr(args, name)
         if value is not None and value < 1:

@@ -201,7 +201,29 @@ def test_saving_and_evaluation_do_not_perturb_training(whole):
     assert checkpointing.complete_iterations(str(root / "ckpt")) == [3, 6]
     assert checkpointing.latest_iteration(str(root / "ckpt")) == 6
     folder = checkpointing.iteration_dir(str(root / "ckpt"), 3)
-    assert {"metadata.json", "common.pt", checkpointing.CHECKSUMS} <= set(os.listdir(folder))
+    # the files are what this megatron-core writes (0.16: common.pt beside the .distcp files, 0.19:
+    # the common state inside them): megatron-core's metadata, torch's, the data files its
+    # metadata names, and our checksums of every one of them
+    files = set(os.listdir(folder))
+    assert {"metadata.json", ".metadata", checkpointing.CHECKSUMS} <= files
+    assert _data_files(folder) and set(_data_files(folder)) <= files
+    assert set(_checksummed(folder)) == files - {checkpointing.CHECKSUMS}
+
+
+def _data_files(folder) -> list[str]:
+    """The tensor files of a torch_dist checkpoint, largest first, as torch's checkpoint metadata
+    (written by megatron-core's save) names them: no file name is assumed."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    sizes = {}
+    for info in FileSystemReader(str(folder)).read_metadata().storage_data.values():
+        sizes[info.relative_path] = sizes.get(info.relative_path, 0) + info.length
+    return sorted(sizes, key=lambda name: (-sizes[name], name))
+
+
+def _checksummed(folder) -> list[str]:
+    with open(os.path.join(folder, checkpointing.CHECKSUMS)) as f:
+        return [line.rstrip("\n").split("  ", 1)[1] for line in f if line.strip()]
 
 
 def test_checkpoint_has_megatron_core_keys(whole):
@@ -297,6 +319,85 @@ def test_resume_under_overlapped_gathers_is_bit_exact(tmp_path, ciera):
     assert resumed.losses == {i: whole.losses[i] for i in (4, 5, 6)} and resumed.sha256 == whole.sha256
 
 
+def test_legacy_torch_format_resumes_bit_exact(tmp_path):
+    """--ckpt-format torch: Megatron-LM's per-rank files (mp_rank_00/model_optim_rng.pt and the
+    distributed optimizer's distrib_optim.pt), published atomically with checksums like torch_dist;
+    the resume continues the uninterrupted run bit for bit (with CIERA)."""
+    from megatron.ciera import torch_checkpoint
+
+    whole = run(*CIERA)  # shared with test_mc_training
+    first, resumed = _stop_and_resume(tmp_path, "--ckpt-format", "torch", *CIERA)
+    folder = checkpointing.iteration_dir(str(tmp_path / "ckpt"), 3)
+    assert sorted(os.listdir(folder)) == [checkpointing.CHECKSUMS, "mp_rank_00"]
+    assert sorted(os.listdir(os.path.join(folder, "mp_rank_00"))) == [torch_checkpoint.OPTIM_FILE,
+                                                                       torch_checkpoint.MODEL_FILE]
+    assert "--ckpt-format torch" in resumed.output
+    assert first.losses == {i: whole.losses[i] for i in (1, 2, 3)}
+    assert resumed.losses == {i: whole.losses[i] for i in (4, 5, 6)} and resumed.sha256 == whole.sha256
+
+
+def test_checkpoint_format_mismatch_is_named(one_rank_group, tmp_path):
+    """A torch checkpoint loaded with --ckpt-format torch_dist (and the reverse) fails before
+    anything is read, naming the flag to pass; a torch checkpoint at another layout names the
+    flags that differ."""
+    from megatron.ciera import torch_checkpoint
+
+    folder = checkpointing.iteration_dir(str(tmp_path), 5)
+    os.makedirs(os.path.join(folder, "mp_rank_00"))
+    with open(os.path.join(folder, "mp_rank_00", torch_checkpoint.MODEL_FILE), "wb") as f:
+        f.write(b"not read")
+    checkpointing._write_checksums(folder)
+    (tmp_path / checkpointing.TRACKER).write_text("5")
+    args = _args(load=str(tmp_path), ckpt_format="torch_dist")
+    with pytest.raises(SystemExit, match="is a --ckpt-format torch checkpoint .* pass --ckpt-format torch"):
+        checkpointing.load(args, model=None, optimizer=None, scheduler=None)
+    saved = argparse.Namespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=1)
+    with pytest.raises(SystemExit, match=r"--tensor-model-parallel-size: checkpoint 2, this run 1"):
+        torch_checkpoint.check_layout(saved, argparse.Namespace(tensor_model_parallel_size=1))
+    torch_checkpoint.check_layout(saved, argparse.Namespace(tensor_model_parallel_size=2))
+
+
+def _group(wd, ep, **kw):
+    return {"wd_mult": wd, "lr_mult": 1.0, "is_expert_parallel": ep, "is_decoupled_lr": False, **kw}
+
+
+def test_optimizer_state_follows_the_expert_parallel_size():
+    """megatron-core chains a separate expert optimizer only at EP > 1: the common part of a
+    checkpoint from another EP size (parameter groups, step) is regrouped for this run's
+    optimizers, the fully_reshardable tensors stay where the load request put them."""
+    from types import SimpleNamespace
+
+    def opt(*groups):
+        return SimpleNamespace(optimizer=SimpleNamespace(param_groups=[{**g, "params": [object()]} for g in groups]))
+
+    dense = [_group(1.0, False, step=2.0, lr=3e-4), _group(0.0, False, step=2.0, lr=3e-4)]
+    expert = [_group(1.0, True, step=2.0, lr=3e-4)]
+    tensors = {"exp_avg": "loaded tensors"}
+    # EP 2 checkpoint (two chained optimizers) -> EP 1 (one optimizer holding the experts too)
+    ep2 = {0: {"optimizer": {"param_groups": dense}, "param_state_sharding_type": "fully_reshardable"},
+           1: {"optimizer": {"param_groups": expert}, "param_state_sharding_type": "fully_reshardable"},
+           "param_state": tensors}
+    one = SimpleNamespace(chained_optimizers=[opt(_group(1.0, False), _group(0.0, False))])
+    fitted = checkpointing._fit_optimizer_layout(ep2, one)
+    assert fitted == {"optimizer": {"param_groups": dense}, "param_state_sharding_type": "fully_reshardable",
+                      "param_state": tensors}
+    # EP 1 checkpoint -> EP 2: the expert optimizer takes the dense group of the same multipliers
+    ep1 = {"optimizer": {"param_groups": dense}, "param_state_sharding_type": "fully_reshardable"}
+    loaded = {**ep1, 0: {"param_state": "dense tensors"}, 1: {"param_state": "expert tensors"}}
+    two = SimpleNamespace(chained_optimizers=[opt(*dense), opt(_group(1.0, True))])
+    fitted = checkpointing._fit_optimizer_layout(loaded, two)
+    assert fitted[0] == {"optimizer": {"param_groups": dense}, "param_state_sharding_type": "fully_reshardable",
+                         "param_state": "dense tensors"}
+    assert fitted[1]["optimizer"]["param_groups"] == [_group(1.0, True, step=2.0, lr=3e-4)]
+    assert fitted[1]["param_state"] == "expert tensors"
+    # same structure: untouched; a layout-bound optimizer format or an unknown group: a clear error
+    assert checkpointing._fit_optimizer_layout(ep1, one) is ep1
+    with pytest.raises(SystemExit, match="only a fully reshardable optimizer state changes its expert-parallel"):
+        checkpointing._fit_optimizer_layout({**ep1, "param_state_sharding_type": "dp_reshardable", 0: {}, 1: {}}, two)
+    with pytest.raises(SystemExit, match="no optimizer parameter group like"):
+        checkpointing._fit_optimizer_layout(ep2, SimpleNamespace(chained_optimizers=[opt(_group(0.5, False))]))
+
+
 def test_world_tensors_are_put_back_in_the_buffer_layout():
     """Three buckets of 5, 3 and 4 elements padded to 8 each: every element lands at its buffer
     index (where upstream slices each parameter), the padding is zero."""
@@ -375,9 +476,7 @@ _VPP = ["--num-layers", "4", *_PP2, "--num-layers-per-virtual-pipeline-stage", "
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("before,after", [(_TP2, []), ([], _TP2), (_PP2, []), ([], _PP2), pytest.param(_EP2, [], marks=pytest.mark.xfail(
-    strict=True, reason="known issue: loading the EP 2 checkpoint at EP 1 on 2 ranks fails with KeyError 'optimizer'")),
-    ([], _EP2),
+@pytest.mark.parametrize("before,after", [(_TP2, []), ([], _TP2), (_PP2, []), ([], _PP2), (_EP2, []), ([], _EP2),
                                           (_VPP, ["--num-layers", "4"])],
                          ids=["tp2-tp1", "tp1-tp2", "pp2-pp1", "pp1-pp2", "ep2-ep1", "ep1-ep2", "vpp2-pp1"])
 def test_resume_at_another_layout(one_rank_group, tmp_path, before, after):
@@ -420,14 +519,15 @@ def test_damaged_checkpoint_fails_on_every_rank(whole, tmp_path):
     _, root = whole
     ckpt = tmp_path / "ckpt"
     shutil.copytree(root / "ckpt", ckpt)
-    victim = ckpt / "iter_0000006" / "__0_1.distcp"
+    name = _data_files(ckpt / "iter_0000006")[0]  # the largest tensor file, whatever megatron-core calls it
+    victim = ckpt / "iter_0000006" / name
     data = bytearray(victim.read_bytes())
     data[-5000:-904] = bytes(b ^ 0xFF for b in data[-5000:-904])
     victim.write_bytes(bytes(data))
     failed = run_pretrain(_flags(*CIERA, "--load", str(ckpt)), nproc=2, timeout=300)
     assert failed.returncode != 0 and failed.sha256 is None
     # every rank raises the same message naming the file
-    assert failed.output.count("iter_0000006/__0_1.distcp is damaged") >= 2, failed.output[-3000:]
+    assert failed.output.count(f"iter_0000006/{name} is damaged") >= 2, failed.output[-3000:]
     assert "loaded checkpoint" not in failed.output
 
 
