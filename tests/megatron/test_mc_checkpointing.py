@@ -243,6 +243,7 @@ def test_checkpoint_has_megatron_core_keys(whole):
     assert dist_checkpointing.load_content_metadata(folder)["distrib_optim_sharding_type"] == "fully_reshardable"
 
 
+@pytest.mark.slow  # the default run resumes from an --async-save checkpoint (overlapped-gathers test)
 def test_async_save_writes_the_same_checkpoints(one_rank_group, whole, tmp_path):
     """--async-save: training is unchanged and every checkpoint holds the same tensors as the
     synchronous run's (so a resume from it is the synchronous resume, tested above and below)."""
@@ -295,11 +296,12 @@ def test_resume_after_a_crash_matches_the_uninterrupted_run(whole, tmp_path):
     assert loss[6] == pytest.approx((result.losses[5] + result.losses[6]) / 2, rel=1e-6)
 
 
-def _stop_and_resume(tmp_path, *flags, at=3, iters=ITERS):
-    """Train to ``at`` saving a checkpoint there (``--exit-interval``), then resume to ``iters``."""
+def _stop_and_resume(tmp_path, *flags, at=3, iters=ITERS, save_flags=()):
+    """Train to ``at`` saving a checkpoint there (``--exit-interval``; ``save_flags`` only in this
+    first run), then resume to ``iters``."""
     ckpt = str(tmp_path / "ckpt")
-    first = run_pretrain(_flags(*flags, "--save", ckpt, "--save-interval", str(at), "--exit-interval", str(at),
-                                iters=iters), nproc=2, timeout=300)
+    first = run_pretrain(_flags(*flags, *save_flags, "--save", ckpt, "--save-interval", str(at),
+                                "--exit-interval", str(at), iters=iters), nproc=2, timeout=300)
     assert first.returncode == 0, first.output[-4000:]
     resumed = run_pretrain(_flags(*flags, "--load", ckpt, iters=iters), nproc=2, timeout=300)
     assert resumed.returncode == 0, resumed.output[-4000:]
@@ -307,14 +309,19 @@ def _stop_and_resume(tmp_path, *flags, at=3, iters=ITERS):
 
 
 @pytest.mark.parametrize("ciera", [pytest.param(False, marks=pytest.mark.slow), True], ids=["plain", "ciera"])
-def test_resume_under_overlapped_gathers_is_bit_exact(tmp_path, ciera):
+def test_resume_under_overlapped_gathers_is_bit_exact(one_rank_group, tmp_path, ciera):
     """--overlap-grad-reduce --overlap-param-gather with several buckets per buffer (what the
     example launch scripts run): the checkpoint holds each bucket's optimizer state at its own
     place (megatron-core <= 0.19 misplaced every bucket after the first), so the resume continues
-    the uninterrupted run bit for bit: every iteration's loss and the params sha256."""
+    the uninterrupted run bit for bit: every iteration's loss and the params sha256. The CIERA
+    variant (default run) writes that checkpoint with --async-save, which the run finalises
+    before --exit-interval ends it."""
     flags = (*OVERLAP, *CIERA) if ciera else OVERLAP
     whole = run(*flags)  # shared with test_mc_training
-    first, resumed = _stop_and_resume(tmp_path, *flags)
+    first, resumed = _stop_and_resume(tmp_path, *flags, save_flags=["--async-save"] if ciera else [])
+    if ciera:
+        assert "started saving checkpoint" in first.output
+        assert checkpointing.verify(checkpointing.iteration_dir(str(tmp_path / "ckpt"), 3)) == []
     assert first.losses == {i: whole.losses[i] for i in (1, 2, 3)}  # iteration 3 logged at the exit too
     assert resumed.losses == {i: whole.losses[i] for i in (4, 5, 6)} and resumed.sha256 == whole.sha256
 
