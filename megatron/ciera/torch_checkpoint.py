@@ -21,7 +21,7 @@ import os
 
 import torch
 
-__all__ = ["MODEL_FILE", "OPTIM_FILE", "is_torch_checkpoint", "rank_dir", "save", "load"]
+__all__ = ["MODEL_FILE", "OPTIM_FILE", "is_torch_checkpoint", "rank_dir", "save", "check_layout", "load", "optimizer_file"]
 
 MODEL_FILE = "model_optim_rng.pt"
 OPTIM_FILE = "distrib_optim.pt"

@@ -36,8 +36,10 @@ def test_upstream_defaults_and_every_flag_is_honoured_or_rejected():
     dests = {a.dest for a in parser._actions if a.dest != "help"}
     assert dests == set(feature_args.HONOURED_FLAGS)  # every flag of the feature modules is honoured
     assert _parse(["--mock-data", "--async-save", "--save", "x"]).async_save
+    assert _parse(["--mock-data", "--ckpt-format", "torch"]).ckpt_format == "torch"  # legacy per-rank files
     for flags, message in (
-        (["--ckpt-format", "torch"], "--ckpt-format torch"),
+        (["--ckpt-format", "torch_dcp"], "--ckpt-format torch_dcp"),
+        (["--ckpt-format", "torch", "--async-save", "--save", "x"], "--async-save needs --ckpt-format torch_dist"),
         (["--save-interval", "5"], "--save-interval needs --save"),
         (["--finetune"], "--finetune needs --load"),
         (["--eval-interval", "0"], "--eval-interval 0 must be >= 1"),
