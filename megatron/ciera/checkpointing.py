@@ -30,6 +30,11 @@ Nothing lost:
 (checksums, rename, tracker) runs in its finalisation, once every rank's write is done
 (:func:`finalize_async_saves`, called by the loop every iteration): atomic as above.
 
+``--ckpt-format torch`` writes Megatron-LM's legacy per-rank files instead
+(:mod:`megatron.ciera.torch_checkpoint`), published the same way; it loads only at its own layout.
+A checkpoint from another expert-parallel size loads too: the optimizers' common part is
+regrouped for this run's chained optimizers (:func:`_fit_optimizer_layout`).
+
 A version difference is isolated here: megatron-core <= 0.19 misplaces the optimizer state of
 every bucket after the first in ``fully_reshardable`` checkpoints (:func:`_bucket_padding_fix`).
 
