@@ -105,3 +105,49 @@ def test_default_tile_and_decode_many(K):
     expect = as_bits(prev[0]).clone()
     decode_reference(layout=codec.layout, payload=payloads[0][0].cpu(), target_bits=expect)
     assert torch.equal(expect, targets[0].cpu())
+
+
+def _edge_steps(dtype, n, gen):
+    """(previous, new) pairs that stress the run packer: nothing changed (width 0 everywhere),
+    a few large changes (width 0 with exceptions), one tile with half its values exceptions (a run
+    with up to R exceptions), noise (widest widths and raw blocks)."""
+    tr = AdamTrajectory(numel=n, dtype=dtype, lr=1e-4, seed=7)
+    x = tr.step()
+    bits = as_bits(x)
+    flip = bits.clone()
+    flip[::97] ^= 0x4000
+    half = bits.clone()
+    half[128:384:2] ^= 0x3000
+    top = 1 << (8 * bits.element_size() - 1)
+    noise = torch.randint(-top, top, (n,), generator=gen, dtype=torch.int64).to(bits.dtype)
+    return [(x, bits.clone()), (x, flip), (x, half), (x, noise), (x, as_bits(tr.step()))]
+
+
+@pytest.mark.parametrize("dtype,n,block,mis", [
+    (torch.bfloat16, 603, 64, 1),     # length not a multiple of the 8-value run, out 1 byte past a word
+    (torch.float16, 403, 8, 3),       # one-group blocks, runs of 8 = a whole group
+    (torch.float32, 498, 128, 2),     # 4-value runs, 32-bit widths
+    (torch.bfloat16, 512, 256, 0),    # 2-byte counts (B > 255), aligned out
+])
+def test_run_packer_edges(K, monkeypatch, dtype, n, block, mis):
+    """Byte-identical to the reference on width-0, all-exception, widest and raw tiles, into an
+    ``out`` that starts off a 4-byte boundary (the packer stores aligned 32-bit words and the
+    tile's edge bytes one by one); the shortest capacity cuts a tile inside its stream."""
+    monkeypatch.setattr(K, "_TILE_VALUES", max(2 * block, 128))
+    K._scratch_on.cache_clear()
+    gen = torch.Generator().manual_seed(n)
+    codec = DeltaCodec(dtype=dtype, numel=n, block_size=block)
+    for prev, new_bits in _edge_steps(dtype, n, gen):
+        prev_bits = as_bits(prev)
+        for cap in (codec.clamp_capacity(codec.max_bytes), codec.fixed_bytes + 37):
+            outs, needs = [], []
+            for impl in (encode_reference, K.encode_triton):
+                buf = torch.full((cap + mis,), GARBAGE, dtype=torch.uint8, device=DEV)
+                out = buf[mis:]
+                state = prev_bits.clone().to(DEV)
+                needs.append(int(impl(layout=codec.layout, shard_bits=new_bits.to(DEV), state=state, out=out)))
+                outs.append(out.cpu())
+                assert torch.equal(state.cpu(), new_bits)
+            assert needs[0] == needs[1]
+            diff = (outs[0] != outs[1]).nonzero().flatten()
+            assert diff.numel() == 0, diff[:20].tolist()
