@@ -59,9 +59,16 @@ int ciera_openmp(void) {
 #endif
 }
 
+/* Threads a call runs: without OpenMP (setup.py's last fall-back) the parallel regions run once,
+ * as chunk 0, so the work must be one chunk. */
 static int clamp_threads(int threads) {
+#ifndef _OPENMP
+    (void)threads;
+    return 1;
+#else
     if (threads < 1) return 1;
     return threads > CIERA_MAX_THREADS ? CIERA_MAX_THREADS : threads;
+#endif
 }
 
 ALWAYS_INLINE uint32_t load_u(const void *p, int64_t i, int W) {
