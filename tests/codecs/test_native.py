@@ -271,6 +271,35 @@ def test_portable_and_avx2_paths_equal_the_reference(name, dtype, threads, monke
                 assert torch.equal(as_bits(target), as_bits(y)), (n, avx2, k)
 
 
+@pytest.mark.parametrize("name", NATIVE_CODECS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_short_shards_and_odd_thread_splits_equal_the_reference(name, dtype, threads, monkeypatch):
+    """Shards shorter than one thread's grain (one block, one 64-value tile, one group), and sizes
+    whose split over 1..3 threads ends mid-block or mid-tile: reference bytes, state and bits on
+    both the portable and the AVX2 exception and width paths (the exceptions come from the values
+    masked to their widths)."""
+    for n in (1, 7, 63, 64, 65, 127, 129, 383, 385, 1_000):
+        tr = AdamTrajectory(numel=n, dtype=dtype, lr=3e-4, seed=n)
+        x = tr.step()
+        steps = [tr.step(), adversarial_step(x, kind="all_exponents", gen=torch.Generator().manual_seed(n))]
+        ref = make_codec(name, dtype=dtype, numel=n, backend="torch")
+        nat = make_codec(name, dtype=dtype, numel=n, backend="native")
+        cap = ref.clamp_capacity(ref.max_bytes)
+        for y in steps:
+            want, want_state = torch.full((cap,), 0xA5, dtype=torch.uint8), ref.new_state(shard=x)
+            ref.encode(shard=y, state=want_state, out=want)
+            for avx2 in ("0", "1"):
+                monkeypatch.setenv("CIERA_NATIVE_AVX2", avx2)
+                for k in (1, 2, 3):
+                    threads(k)
+                    got, state = torch.full((cap,), 0xA5, dtype=torch.uint8), nat.new_state(shard=x)
+                    nat.encode(shard=y, state=state, out=got)
+                    assert torch.equal(got, want) and torch.equal(state, want_state), (n, avx2, k)
+                    target = x.clone()
+                    nat.decode(payload=want, target=target)
+                    assert torch.equal(as_bits(target), as_bits(y)), (n, avx2, k)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(name=st.sampled_from(NATIVE_CODECS), dtype=st.sampled_from(DTYPES), data=st.data())
 def test_corrupt_payloads_never_crash(name, dtype, data):

@@ -28,11 +28,11 @@
 #define CIERA_MAX_THREADS 256
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-/* Hot loops get an x86-64-v3 clone (AVX2, BMI2: one-uop variable shifts) next to the baseline
- * one, picked at load time (GNU ifunc), so one build runs everywhere and vectorises where the CPU
- * can. delta's byte gathers also have explicit AVX2 paths, chosen per call (delta_wctx). */
+/* Hot loops get x86-64-v4 (AVX-512) and x86-64-v3 (AVX2, BMI2: one-uop variable shifts) clones
+ * next to the baseline one, the widest the CPU has picked at load time (GNU ifunc), so one build
+ * runs everywhere and vectorises where the CPU can (the same C source in every clone). delta's byte gathers also have explicit AVX2 paths, chosen per call (delta_wctx). */
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__) && !defined(CIERA_NO_CLONES)
-#define HOT __attribute__((target_clones("arch=x86-64-v3", "default")))
+#define HOT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define HOT
 #endif
@@ -59,9 +59,16 @@ int ciera_openmp(void) {
 #endif
 }
 
+/* Threads a call runs: without OpenMP (setup.py's last fall-back) the parallel regions run once,
+ * as chunk 0, so the work must be one chunk. */
 static int clamp_threads(int threads) {
+#ifndef _OPENMP
+    (void)threads;
+    return 1;
+#else
     if (threads < 1) return 1;
     return threads > CIERA_MAX_THREADS ? CIERA_MAX_THREADS : threads;
+#endif
 }
 
 ALWAYS_INLINE uint32_t load_u(const void *p, int64_t i, int W) {
@@ -466,13 +473,14 @@ AVX2_FN static void widths_avx2(const delta_wctx *c, const uint8_t *idx, uint8_t
     }
 }
 
-/* Indices j < n with ll[j] > ww[j], ascending, into exc; returns their count. */
-AVX2_FN static int exceptions_avx2(const uint8_t *ll, const uint8_t *ww, int n, uint16_t *exc) {
+/* Indices j < n with zm[j] != zz[j] (a value wider than its width), ascending, into exc; returns
+ * their count. zz and zm may be read up to 7 values past n. */
+AVX2_FN static int exceptions_avx2(const uint32_t *zz, const uint32_t *zm, int n, uint16_t *exc) {
     int k = 0;
-    for (int i = 0; i < n; i += 32) {
-        __m256i a = _mm256_loadu_si256((const __m256i *)(ll + i)), w = _mm256_loadu_si256((const __m256i *)(ww + i));
-        uint32_t m = (uint32_t)_mm256_movemask_epi8(_mm256_cmpgt_epi8(a, w));
-        if (n - i < 32) m &= (1u << (n - i)) - 1;
+    for (int i = 0; i < n; i += 8) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(zz + i)), b = _mm256_loadu_si256((const __m256i *)(zm + i));
+        uint32_t m = ~(uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(a, b))) & 0xFFu;
+        if (n - i < 8) m &= (1u << (n - i)) - 1;
         for (; m; m &= m - 1) exc[k++] = (uint16_t)(i + __builtin_ctz(m));
     }
     return k;
@@ -489,14 +497,14 @@ ALWAYS_INLINE void delta_widths(const delta_wctx *c, const uint8_t *idx, uint8_t
     for (int j = 0; j < n; j++) ww[j] = c->table[idx[j]];
 }
 
-ALWAYS_INLINE int delta_exceptions(const delta_wctx *c, const uint8_t *ll, const uint8_t *ww, int n, uint16_t *exc) {
+ALWAYS_INLINE int delta_exceptions(const delta_wctx *c, const uint32_t *zz, const uint32_t *zm, int n, uint16_t *exc) {
 #if CIERA_X86
-    if (c->avx2) return exceptions_avx2(ll, ww, n, exc);
+    if (c->avx2) return exceptions_avx2(zz, zm, n, exc);
 #endif
     int k = 0;
     for (int j = 0; j < n; j++) {
         exc[k] = (uint16_t)j;
-        k += ll[j] > ww[j];
+        k += zm[j] != zz[j];
     }
     return k;
 }
@@ -605,22 +613,27 @@ ALWAYS_INLINE int64_t delta_encode_block(const ciera_delta_layout *l, int W, int
     const uint32_t emask = (1u << E) - 1;
     const int64_t v0 = b * B;
     const int valid = (int)min64(B, n - v0);
-    uint32_t zz[DELTA_MAX_BLOCK];
-    uint8_t ww[DELTA_MAX_BLOCK + 32], ee[DELTA_MAX_BLOCK + 32], ll[DELTA_MAX_BLOCK + 32];
+    uint32_t zz[DELTA_MAX_BLOCK + 8], zm[DELTA_MAX_BLOCK + 8];
+    uint8_t ww[DELTA_MAX_BLOCK + 32], ee[DELTA_MAX_BLOCK + 32];
     uint16_t exc[DELTA_MAX_BLOCK];
-    /* Vectorisable: z, previous exponent and bit length of every value; then the new state. */
+    /* Vectorisable: z and previous exponent of every value; then the new state. */
     for (int j = 0; j < valid; j++) {
         uint32_t u_old = load_u(state, v0 + j, W), u_new = load_u(shard, v0 + j, W);
-        uint32_t z = zigzag_u(u_new, u_old, W);
         store_u(state, v0 + j, u_new, W);
-        zz[j] = z;
+        zz[j] = zigzag_u(u_new, u_old, W);
         ee[j] = (uint8_t)((u_old >> M) & emask);
-        ll[j] = (uint8_t)bitlen_w(z, W);
     }
-    /* Widths from the table, exceptions, group sizes. */
+    /* Widths from the table; values masked to them (those that change are the exceptions, whose
+       high bits go in the exception list); group sizes. */
     delta_widths(wc, ee, ww, valid);
     memset(ww + valid, 0, 4);
-    int n_exc = delta_exceptions(wc, ll, ww, valid, exc);
+    for (int j = 0; j < valid; j++) { /* vectorisable */
+        uint32_t w = ww[j];
+        zm[j] = zz[j] & (w >= 32 ? 0xFFFFFFFFu : (1u << (w & 31)) - 1);
+    }
+    memset(zm + valid, 0, 8 * sizeof(uint32_t));
+    memset(zz + valid, 0, 8 * sizeof(uint32_t));
+    int n_exc = delta_exceptions(wc, zz, zm, valid, exc);
     int64_t bytes = delta_group_bytes(ww, valid, (int)G);
     int64_t table_size = bytes + (int64_t)n_exc * (I + S), raw_size = (int64_t)valid * S;
     int raw = table_size > raw_size;
@@ -635,12 +648,6 @@ ALWAYS_INLINE int64_t delta_encode_block(const ciera_delta_layout *l, int W, int
     if (raw) {
         for (int j = 0; j < valid; j++) store_le(base + (int64_t)j * S, zz[j], S);
     } else {
-        uint32_t zm[DELTA_MAX_BLOCK + 4];
-        for (int j = 0; j < valid; j++) { /* vectorisable */
-            uint32_t w = ww[j];
-            zm[j] = zz[j] & (w >= 32 ? 0xFFFFFFFFu : (1u << (w & 31)) - 1);
-        }
-        memset(zm + valid, 0, 4 * sizeof(uint32_t));
         uint8_t *p = base;
         for (int g0 = 0; g0 < valid; g0 += (int)G) p = pack_group(W, zm + g0, ww + g0, (int)min64(G, valid - g0), p);
         uint8_t *hi_p = p + (int64_t)n_exc * I;
@@ -729,7 +736,9 @@ int64_t ciera_delta_encode(const ciera_delta_layout *l, const void *shard, void 
         int k = CIERA_THREAD_ID();
         int64_t lo, hi;
         chunk_of(k, threads, nb, B, n, &lo, &hi);
-        int64_t b_lo = lo / B, b_hi = (hi + B - 1) / B;
+        /* An empty chunk (more threads than chunks of blocks) owns no block: lo = hi = n would
+           otherwise name the trailing partial block a second time. */
+        int64_t b_lo = lo / B, b_hi = hi > lo ? (hi + B - 1) / B : b_lo;
         delta_hist_dispatch(l, shard, state, lo, hi, hists + (int64_t)k * 4 * n_hist);
 #pragma omp barrier
 #pragma omp single
