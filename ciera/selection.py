@@ -85,11 +85,13 @@ class Selector:
         world, group, device: the bucket's process group.
         link: the group's link model.
         speeds: name -> agreed (encode, decode) seconds per raw byte, the starting averages.
+        name: the bucket's name, for the decision's log line.
     """
 
     def __init__(self, *, codecs: dict, config, world: int, group, device, link: cm.Link,
-                 speeds: dict[str, tuple[float, float]]):
+                 speeds: dict[str, tuple[float, float]], name: str = "bucket"):
         self.codecs, self.config, self.world, self.group, self.device = codecs, config, world, group, device
+        self.name = name
         self.link = link
         self.speeds = {n: (cm.Ewma().update(e), cm.Ewma().update(d)) for n, (e, d) in speeds.items()}
         self.decide_at = config.warmup_gathers
@@ -139,8 +141,8 @@ class Selector:
         if choice == cm.RAW and cfg.selection == "always":  # codec='auto': choose among codecs only
             choice = min(candidates, key=lambda c: d.times[c.name]).name
         self.decision, self.decisions = d, self.decisions + 1
-        if choice != known:
-            logger.info("selection -> %s (%s)", choice, d.reason)
+        if choice != known:  # every switch, raw included, with the predicted times that decided it
+            logger.info("%s: selection -> %s (%s)", self.name, choice, d.reason)
         if choice == cm.RAW:
             return Switch(None, None)
         if choice != known:
