@@ -272,7 +272,8 @@ def main(argv=None) -> int:
             flags = train_flags(hidden=a.hidden, layers=a.layers, experts=a.experts, iters=a.iters, seq=a.seq, dp=dp,
                                 bucket_size=a.bucket_size, moe_ffn=a.moe_ffn, extra_flags=tuple(a.extra_flags.split()))
             for rate in a.rates:
-                cfg = {"layout": layout, "hosts": hosts, "nproc": nproc, "rate": rate, "train": []}
+                cfg = {"layout": layout, "hosts": hosts, "nproc": nproc, "rate": rate, "train": [],
+                       "cores": os.cpu_count()}
                 with Testbed(TestbedConfig(hosts=hosts, link=LinkSpec(rate=rate),
                                           autogroup_nice=a.autogroup_nice)) as tb, \
                         tempfile.TemporaryDirectory() as tmp:
