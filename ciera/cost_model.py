@@ -174,9 +174,9 @@ class HostShare:
 
     Where ``ranks > cores`` the codec phases are paced by the machine's cores, not one rank's:
     every rank encodes (and decodes) at once, so each phase takes ``ranks / cores`` times a
-    single-core codec's time; and the transport, which needs the same cores to move bytes, cannot
-    use the link while they are busy (TCP stalls once receive buffers fill), so the compressed
-    payload's transfer is not hidden behind the codec work of other ranks either."""
+    single-core codec's time, and a collective waits for the last rank to finish it. Speeds given
+    with a ``HostShare`` are single-core speeds (measured where each rank had a core); the link is
+    untouched (a link fitted on these hosts already includes the transport's share of the cores)."""
 
     cores: float
     """CPU cores the ranks below run on (the machine's, when every rank of the group is on it)."""
