@@ -49,11 +49,13 @@ class CieraConfig:
     any mismatch, naming the bucket and ranks. 0 disables."""
 
     reevaluate_interval: int = 50
-    """With ``selection='auto'``: gathers between re-decisions of the cost model."""
+    """With ``selection='auto'``: gathers between re-decisions of the cost model (a bucket whose
+    first decision compressed is re-checked sooner, after ``ciera.selection.EARLY_RECHECK``)."""
 
     hysteresis: float = 0.1
     """With ``selection='auto'``: a bucket switches between raw and compressed only when the
-    predicted time of the other mode is better by this fraction."""
+    predicted time of the other mode is better by this fraction (its first decision too: raw is
+    the incumbent)."""
 
     def __post_init__(self):
         def bad(msg):

@@ -168,6 +168,35 @@ class CodecEstimate:
 
 
 @dataclass(frozen=True)
+class HostShare:
+    """Ranks whose codec work and transport share CPU cores (CPU hosts: CPU codecs, gloo over
+    TCP). A GPU codec runs on the GPU, so GPU clusters pass no ``HostShare``.
+
+    Where ``ranks > cores`` the codec phases are paced by the machine's cores, not one rank's:
+    every rank encodes (and decodes) at once, so each phase takes ``ranks / cores`` times a
+    single-core codec's time, and a collective waits for the last rank to finish it. Speeds given
+    with a ``HostShare`` are single-core speeds (measured where each rank had a core); the link is
+    untouched (a link fitted on these hosts already includes the transport's share of the cores)."""
+
+    cores: float
+    """CPU cores the ranks below run on (the machine's, when every rank of the group is on it)."""
+
+    ranks: int
+    """Ranks competing for ``cores``: each one runs its own codec and its own transport."""
+
+    def __post_init__(self):
+        if not self.cores > 0:
+            raise ValueError(f"HostShare: cores={self.cores} must be > 0")
+        if self.ranks < 1:
+            raise ValueError(f"HostShare: ranks={self.ranks} must be >= 1")
+
+    @property
+    def slowdown(self) -> float:
+        """Wall time of a codec phase over a single-core codec's time: ``max(1, ranks / cores)``."""
+        return max(1.0, self.ranks / self.cores)
+
+
+@dataclass(frozen=True)
 class Prediction:
     """The predicted cost of one bucket's gather in one mode, broken down."""
 
@@ -247,14 +276,18 @@ def agreement_time(*, link: Link, world: int, buckets: int = 1) -> float:
 
 
 def predict_compressed(*, raw_bytes_per_rank: float, world: int, link: Link, estimate: CodecEstimate,
-                       overlapped_encode: bool = False, agreement_s: float = 0.0) -> Prediction:
+                       overlapped_encode: bool = False, agreement_s: float = 0.0,
+                       host: HostShare | None = None) -> Prediction:
     """Predicted cost of a compressed all-gather with ``estimate``'s codec: encode (unless
     overlapped), this bucket's share ``agreement_s`` of the size agreement, the collective of the
-    exact payloads (``wire_ratio`` of raw per rank) and the batched decode of ``world - 1`` of them."""
+    exact payloads (``wire_ratio`` of raw per rank) and the batched decode of ``world - 1`` of them.
+    With ``host``, ``estimate.speed`` is a single-core codec's and both codec phases take
+    ``host.slowdown`` times as long (ranks sharing cores, :class:`HostShare`)."""
+    share = 1.0 if host is None else host.slowdown
     wire = estimate.wire_ratio * raw_bytes_per_rank
-    enc = raw_bytes_per_rank / estimate.speed.encode_bytes_per_s
+    enc = share * raw_bytes_per_rank / estimate.speed.encode_bytes_per_s
     comm = link.allgather_time(bytes_per_rank=wire, world=world) + agreement_s
-    dec = max(world - 1, 0) * raw_bytes_per_rank / estimate.speed.decode_bytes_per_s
+    dec = share * max(world - 1, 0) * raw_bytes_per_rank / estimate.speed.decode_bytes_per_s
     total = comm + dec + (0.0 if overlapped_encode else enc)
     return Prediction(estimate.name, wire, enc, comm, dec, total)
 
@@ -464,7 +497,8 @@ def measure_codec_speed(*, codec, device="cpu", repeats: int = 3, warmup_steps: 
 
 
 __all__ = [
-    "ALGORITHMS", "RAW", "CodecEstimate", "CodecSpeed", "Decision", "Ewma", "Link", "LinkModel", "Prediction",
+    "ALGORITHMS", "RAW", "CodecEstimate", "CodecSpeed", "Decision", "Ewma", "HostShare", "Link", "LinkModel",
+    "Prediction",
     "TwoLevelLink", "agree", "agreement_time", "decide", "fit_latency_bandwidth", "measure_codec_speed", "measure_link",
     "predict_compressed", "predict_raw",
 ]

@@ -156,7 +156,8 @@ class CieraAllGather:
             self.selector = Selector(
                 codecs=self._codecs, config=config, world=self.world, group=group, device=dev,
                 link=m.link_for(group=group, device=dev, shard_bytes=self._raw_bucket_bytes() // self.world),
-                speeds={n: m.codec_for(codec=c, group=group, device=dev) for n, c in self._codecs.items()})
+                speeds={n: m.codec_for(codec=c, group=group, device=dev) for n, c in self._codecs.items()},
+                name=self.name)
 
     # -- public API ------------------------------------------------------------------------------
     @staticmethod

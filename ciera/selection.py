@@ -11,9 +11,14 @@ under ``selection='always'`` (which codec; never raw). Every ``reevaluate_interv
 4. switches mode if the decision says so. A codec chosen afresh starts from the copy of the
    previous shard, so switching costs no raw round.
 
-Codec speeds start from a measurement at construction, at the bucket's real shard size, and then
-follow exponential averages of the real gathers; the link is measured once per group at the sizes
-its first bucket sends. The selector returns decisions (:class:`Switch`); the gather applies them.
+Codec speeds start from a measurement at construction, at the bucket's real shard size (a
+best-of-few probe on a synthetic shard: optimistic, especially on a loaded CPU host), and then
+follow the real gathers: the first real figures replace the probe's, later ones are averaged in.
+Because the first decision rests on the probe alone, it compresses only when a codec beats raw by
+the ``hysteresis`` margin, and a bucket that starts compressing is re-decided after
+``EARLY_RECHECK`` gathers on its real timings (then every ``reevaluate_interval``). The link is
+measured once per group at the sizes its first bucket sends. The selector returns decisions
+(:class:`Switch`); the gather applies them.
 """
 
 from __future__ import annotations
@@ -29,6 +34,10 @@ from . import cost_model as cm
 from .codecs.base import align_up
 
 logger = logging.getLogger(__name__)
+
+EARLY_RECHECK = 4
+"""Gathers after a first decision that compressed before the next decision, which then uses the
+real encode/decode timings of those gathers (at most ``reevaluate_interval``)."""
 
 
 class Measurements:
@@ -85,11 +94,13 @@ class Selector:
         world, group, device: the bucket's process group.
         link: the group's link model.
         speeds: name -> agreed (encode, decode) seconds per raw byte, the starting averages.
+        name: the bucket's name, for the decision's log line.
     """
 
     def __init__(self, *, codecs: dict, config, world: int, group, device, link: cm.Link,
-                 speeds: dict[str, tuple[float, float]]):
+                 speeds: dict[str, tuple[float, float]], name: str = "bucket"):
         self.codecs, self.config, self.world, self.group, self.device = codecs, config, world, group, device
+        self.name = name
         self.link = link
         self.speeds = {n: (cm.Ewma().update(e), cm.Ewma().update(d)) for n, (e, d) in speeds.items()}
         self.decide_at = config.warmup_gathers
@@ -110,7 +121,10 @@ class Selector:
         if index == self.decide_at and self.snapshot is not None:
             switch = self._decide(current=current, probe=probe, stats=stats)
             self.snapshot = None
-            self.decide_at = index + self.config.reevaluate_interval
+            interval = self.config.reevaluate_interval
+            if self.decisions == 1 and self.decision.compress:  # rests on the start-up probe: check soon
+                interval = min(interval, EARLY_RECHECK)
+            self.decide_at = index + interval
         if index + 1 == self.decide_at:
             self.snapshot = shard.clone()
         return switch
@@ -131,7 +145,10 @@ class Selector:
                 name=n, wire_ratio=min(wire, raw_b) / max(raw_b, 1),
                 speed=cm.CodecSpeed(encode_bytes_per_s=1 / max(per_byte[2 * i], 1e-15),
                                     decode_bytes_per_s=1 / max(per_byte[2 * i + 1], 1e-15))))
-        known = (current or cm.RAW) if self.decision is not None else None
+        first = self.decision is None
+        known = current or cm.RAW  # the first decision too: leaving raw needs the hysteresis margin
+        if cfg.selection == "always" and current is None:
+            known = None  # codec='auto' under 'always' must pick a codec: no raw incumbent
         d = cm.decide(raw_bytes_per_rank=raw_b, world=self.world, link=self.link, candidates=candidates,
                       current=known, hysteresis=cfg.hysteresis,
                       agreement_s=cm.agreement_time(link=self.link, world=self.world))
@@ -139,8 +156,8 @@ class Selector:
         if choice == cm.RAW and cfg.selection == "always":  # codec='auto': choose among codecs only
             choice = min(candidates, key=lambda c: d.times[c.name]).name
         self.decision, self.decisions = d, self.decisions + 1
-        if choice != known:
-            logger.info("selection -> %s (%s)", choice, d.reason)
+        if first or choice != known:  # the first choice and every switch, raw included, with why
+            logger.info("%s: selection -> %s (%s)", self.name, choice, d.reason)
         if choice == cm.RAW:
             return Switch(None, None)
         if choice != known:
@@ -159,5 +176,7 @@ class Selector:
         if n <= 0 or raw_b == 0 or d.encode_s <= 0 or d.decode_s <= 0:
             return
         enc, dec = self.speeds[current]
+        if enc.count <= 1:  # only the start-up probe so far: the real gathers replace it
+            enc, dec = cm.Ewma(alpha=enc.alpha), cm.Ewma(alpha=dec.alpha)
         self.speeds[current] = (enc.update(d.encode_s / (n * raw_b)),
                                 dec.update(d.decode_s / (n * max(self.world - 1, 1) * raw_b)))

@@ -41,6 +41,20 @@ def _print0(*a, **k):
         print(*a, **k, flush=True)
 
 
+def _log_selection_decisions(args) -> None:
+    """Rank 0 prints every CIERA selection switch (``ciera.selection`` INFO: raw or which codec,
+    with the predicted times that decided it) even without ``--logging-level``; the choices are
+    rank-identical, so one rank says it for all."""
+    lg = logging.getLogger("ciera.selection")
+    if args.logging_level is not None or dist.get_rank() != 0 or lg.handlers:
+        return  # --logging-level given: the user's choice stands
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("CIERA %(message)s"))
+    lg.addHandler(handler)
+    lg.setLevel(logging.INFO)
+    lg.propagate = False
+
+
 def build_model_and_optimizer(args, vocab_size: int):
     """Step 3: model chunks -> Float16Module -> DDP, distributed optimizer, scheduler."""
     from megatron.core.distributed import DistributedDataParallel
@@ -376,6 +390,7 @@ def train(args) -> str:
         logging.getLogger().setLevel(args.logging_level)
     logging_utils.check_writer_packages(args)
     parallel.initialize(args)
+    _log_selection_decisions(args)
     _report_cpu_ignored(args)
     checkpointing.preflight(args)  # --save writable, no fresh start over checkpoints: before any work
     tokenizer = data.build_tokenizer(args)

@@ -61,17 +61,27 @@ def test_auto_codec_under_always_never_sends_raw():
 
 
 def _count_agreements(rank, world, steps):
-    """Fast link: selection chooses raw; count the size-agreement collectives per gather."""
+    """Fast link: selection chooses raw; count the size-agreement collectives per gather, and
+    keep the selection's log lines."""
+    import logging
+
     import ciera.agreement as agreement
 
-    calls = []
+    calls, records = [], []
     real = agreement.all_gather_into
     agreement.all_gather_into = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    handler = logging.Handler(level=logging.INFO)
+    handler.emit = lambda r: records.append(r.getMessage())
+    lg = logging.getLogger("ciera.selection")
+    old, lg.level = lg.level, logging.INFO
+    lg.addHandler(handler)
     try:
         modes, stats, decisions = _worker(rank, world, 1e13, "auto", steps)
     finally:
         agreement.all_gather_into = real
-    return modes, len(calls), decisions
+        lg.removeHandler(handler)
+        lg.setLevel(old)
+    return modes, len(calls), decisions, records
 
 
 def test_auto_that_chose_raw_skips_the_size_agreement():
@@ -79,8 +89,14 @@ def test_auto_that_chose_raw_skips_the_size_agreement():
     re-decision (the bits still match plain all_gather every step, checked in the worker)."""
     steps = 30
     runs = run_on_ranks(_count_agreements, world=2, args=(steps,))
-    modes, agreements, decisions = runs[0]
+    modes, agreements, decisions, records = runs[0]
     assert all(r[:2] == runs[0][:2] for r in runs), "ranks took different paths"
     raw_from = modes.index(None)  # first gather after selection chose raw
     assert all(m is None for m in modes[raw_from:]) and decisions >= 3
     assert agreements <= raw_from + 1, (agreements, raw_from)  # only the gathers before raw was chosen
+    # the log says it picked raw, once, naming the bucket and what each codec would have cost
+    assert len(records) == 1, records
+    msg = records[0]
+    assert msg.startswith("b0: selection -> raw (raw ") and "compressing is not faster: exponent_reuse" in msg, msg
+    assert "delta" in msg and "world 2" in msg, msg
+

@@ -86,3 +86,28 @@ def test_baseline_predicted_from_another_rate_and_collated(tmp_path):
     md = (tmp_path / "out" / "bench_cluster.md").read_text()
     assert f"| train sync baseline (from the baseline at 10gbit) | 100.0 | {want:.1f} |" in md
     assert (tmp_path / "out" / "bench_cluster.png").stat().st_size > 0
+
+
+def test_ranks_sharing_cores_use_single_core_speeds_times_the_share():
+    """2 hosts x 2 ranks on a 2-core machine: the codec phases and the agreement's steps take
+    ranks/cores = 2x, from the single-core speeds of a configuration whose ranks had a core each;
+    the sync params-all-gather prediction is one iteration's buckets, each its own gather."""
+    from ciera.cost_model import CodecSpeed
+    from tools.testbed.sim_testbed import single_core_speeds
+
+    one = _cfg() | {"cores": 2}
+    four = _cfg() | {"cores": 2, "nproc": 2, "layout": "2x2"}
+    four["gather"] = dict(four["gather"], world=4)
+    four["train"] = [dict(t, log_lines=["CIERA all-gather on 2 bucket group(s): ..."]) for t in four["train"]]
+    single = single_core_speeds([one, four])["1gbit"]
+    assert set(single) == {"exponent_reuse"}  # from the 2x1 configuration only (auto sent raw)
+    sim = predict(four, single_core=single)
+    shard = (1 << 20) // 4 * 2
+    sp: CodecSpeed = single["exponent_reuse"]
+    codec_ms = 2 * (shard / sp.encode_bytes_per_s + 3 * shard / sp.decode_bytes_per_s) * 1e3
+    link_ms = 3 * shard / 2 / 1e8 * 1e3  # flat ring of 4, half the bytes (TCP-probe link, no latency)
+    agree_ms = 2 * 3 * 16 / 1e8 * 1e3
+    assert sim["gather"]["exponent_reuse"] == pytest.approx(codec_ms + link_ms + agree_ms)
+    assert predict(four)["gather"]["exponent_reuse"] != pytest.approx(sim["gather"]["exponent_reuse"])
+    it = 20e6 / 10 / 4  # bytes per rank per iteration, in 2 buckets
+    assert sim["train_gather"]["baseline:sync"] == pytest.approx(2 * 3 * it / 2 / 1e8 * 1e3)

@@ -1,6 +1,8 @@
 """Real SLURM on the testbed: `TINY=1 NNODES=2 sbatch examples/<model>/<model>.sbatch` runs a 2-node
 job (slurmctld on host 0, one slurmd per host, torchrun per node over the shaped link) whose params
-sha256 equals the single-node run's. One model by default, all six with --runslow."""
+sha256 equals the single-node run's. One model by default at its smallest (1 layer, 4 iterations,
+32 tokens: CIERA still compresses from iteration 3), all six at the TINY defaults with --runslow.
+The single-node twin runs while the 2-node job does (both mostly wait on start-up)."""
 
 import os
 import re
@@ -17,6 +19,9 @@ from tools.testbed.slurm import SlurmCluster
 ROOT = Path(__file__).resolve().parents[2]
 SHA = re.compile(r"^params sha256: ([0-9a-f]{64})$", re.M)
 MODELS = ["olmoe", "deepseek", "qwen2", "minicpm", "mixtral", "scout"]
+SMALLEST = {"NUM_LAYERS": "1", "TRAIN_ITERS": "4", "SEQ_LENGTH": "32"}
+"""The default run's knobs (examples/common.sh): CIERA_WARMUP_ITERS stays 2 under TINY, so the
+gathers after iteration 2 are compressed and the sha256 covers them."""
 
 
 def _env(**extra):
@@ -26,21 +31,30 @@ def _env(**extra):
     return env
 
 
-def _single_node_sha(model):
-    res = subprocess.run([str(ROOT / "examples" / model / f"train_{model}.sh")], cwd=ROOT,
-                         env=_env(TINY="1"), capture_output=True, text=True, timeout=600)
-    m = SHA.search(res.stdout)
-    assert res.returncode == 0 and m, res.stdout[-3000:] + res.stderr[-3000:]
+def _start_single_node(model, knobs, tmp_path) -> subprocess.Popen:
+    log = open(tmp_path / f"single-{model}.log", "w")
+    return subprocess.Popen([str(ROOT / "examples" / model / f"train_{model}.sh")], cwd=ROOT,
+                            env=_env(TINY="1", **knobs), stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def _single_node_sha(proc: subprocess.Popen, model, tmp_path, *, timeout=600):
+    try:
+        code = proc.wait(timeout=timeout)
+    finally:
+        proc.kill()
+    out = (tmp_path / f"single-{model}.log").read_text(errors="replace")
+    m = SHA.search(out)
+    assert code == 0 and m, out[-6000:]
     return m.group(1)
 
 
-def _two_node_jobs(models, tmp_path):
+def _two_node_jobs(models, tmp_path, knobs):
     """Submit every model's sbatch (one job at a time: both nodes are exclusive) and wait."""
     out = {}
     with Testbed(TestbedConfig(hosts=2, link=LinkSpec(rate="1gbit"))) as tb, SlurmCluster(tb) as slurm:
         for model in models:
             job = slurm.submit([str(ROOT / "examples" / model / f"{model}.sbatch")], cwd=str(tmp_path),
-                               env=_env(TINY="1", NNODES="2", CIERA_ROOT=str(ROOT)))
+                               env=_env(TINY="1", NNODES="2", CIERA_ROOT=str(ROOT), **knobs))
             state, code = slurm.wait_job(job, timeout=600)
             log = (tmp_path / f"ciera-{model}-{job}.out").read_text(errors="replace")
             assert (state, code) == ("COMPLETED", "0:0"), f"{model}: job {job} {state} {code}\n{log[-4000:]}"
@@ -56,14 +70,25 @@ def _two_node_jobs(models, tmp_path):
     return out
 
 
-def _check(models, tmp_path):
-    two = _two_node_jobs(models, tmp_path)
-    for model in models:
-        assert two[model] == _single_node_sha(model), f"{model}: 2-node params sha256 differs from 1-node"
+def _check(models, tmp_path, knobs=None):
+    knobs = knobs or {}
+    single = _start_single_node(models[0], knobs, tmp_path)  # in parallel with the 2-node jobs
+    try:
+        two = _two_node_jobs(models, tmp_path, knobs)
+    except BaseException:
+        single.kill()
+        raise
+    for i, model in enumerate(models):
+        proc = single if i == 0 else _start_single_node(model, knobs, tmp_path)
+        one = _single_node_sha(proc, model, tmp_path)
+        assert two[model] == one, f"{model}: 2-node params sha256 differs from 1-node"
+    if knobs:  # the knobs reached the runs: the log shows the last iteration and no later one
+        last = f"iteration {int(knobs['TRAIN_ITERS']):8d}/{int(knobs['TRAIN_ITERS']):8d}"
+        assert last in (tmp_path / f"single-{models[0]}.log").read_text(), "TRAIN_ITERS did not reach the run"
 
 
 def test_sbatch_two_nodes_equals_single_node(slurm_ok, tmp_path):
-    _check(["olmoe"], tmp_path)
+    _check(["olmoe"], tmp_path, SMALLEST)
 
 
 @pytest.mark.slow

@@ -260,3 +260,25 @@ def test_agreement_cost_tips_a_tiny_bucket_to_raw():
     small = dict(raw_bytes_per_rank=4096, world=8, link=SLOW_ETH, candidates=[er(0.5, enc=1e15, dec=1e15)])
     assert decide(**small).choice == "exponent_reuse"
     assert decide(**small, agreement_s=agreement_time(link=SLOW_ETH, world=8)).choice == "raw"
+
+
+def test_host_share_scales_codec_phases_only():
+    """Ranks sharing cores: both codec phases take ranks/cores x the single-core time; the link and
+    the agreement given are untouched; no sharing (ranks <= cores) changes nothing."""
+    from ciera.cost_model import CodecEstimate, CodecSpeed, HostShare, LinkModel, predict_compressed
+
+    link = LinkModel(bandwidth_bytes_per_s=100e6, latency_s=1e-3)
+    est = CodecEstimate("delta", wire_ratio=0.25, speed=CodecSpeed(encode_bytes_per_s=1e9, decode_bytes_per_s=2e9))
+    kw = dict(raw_bytes_per_rank=4e6, world=4, link=link, estimate=est, agreement_s=2e-3)
+    alone = predict_compressed(**kw)
+    shared = predict_compressed(**kw, host=HostShare(cores=2, ranks=4))
+    assert HostShare(cores=2, ranks=4).slowdown == 2.0 and HostShare(cores=2, ranks=2).slowdown == 1.0
+    assert shared.encode_s == pytest.approx(2 * alone.encode_s) == pytest.approx(2 * 4e6 / 1e9)
+    assert shared.decode_s == pytest.approx(2 * alone.decode_s) == pytest.approx(2 * 3 * 4e6 / 2e9)
+    assert shared.comm_s == alone.comm_s == pytest.approx(3 * (1e-3 + 1e6 / 100e6) + 2e-3)
+    assert shared.total_s == pytest.approx(shared.encode_s + shared.comm_s + shared.decode_s)
+    assert predict_compressed(**kw, host=HostShare(cores=2, ranks=2)) == alone
+    with pytest.raises(ValueError, match="cores"):
+        HostShare(cores=0, ranks=2)
+    with pytest.raises(ValueError, match="ranks"):
+        HostShare(cores=2, ranks=0)

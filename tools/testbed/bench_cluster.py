@@ -53,17 +53,33 @@ TRAIN_MODES = {
 ITER_MS = re.compile(r"elapsed time per iteration \(ms\): ([\d.]+)")
 SHA = re.compile(r"^params sha256: ([0-9a-f]{64})$", re.M)
 TOTAL = re.compile(r"^total\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x", re.M)
+TIMER = re.compile(r"^\s+([a-z][a-z0-9-]+) \.*: \(([\d.]+), ([\d.]+)\)$", re.M)
+
+
+def timer_ms(text: str) -> dict[str, float]:
+    """Megatron's timer block (``--timing-log-level`` >= 1): per timer, the median over the log
+    intervals after the first of the slowest rank's ms per iteration."""
+    seen: dict[str, list[float]] = {}
+    for m in TIMER.finditer(text):
+        seen.setdefault(m.group(1), []).append(float(m.group(3)))
+    return {k: statistics.median(v[1:] or v) for k, v in seen.items()}
 
 
 def train_flags(*, hidden: int, layers: int, experts: int, iters: int, seq: int, dp: int,
-                bucket_size: int | None = None) -> list[str]:
+                bucket_size: int | None = None, moe_ffn: int | None = None,
+                extra_flags: tuple[str, ...] = ()) -> list[str]:
     """bench_training's model, made communication-bound: short sequences, one micro-batch per rank
     (params large relative to compute: top-2 of many experts); ``bucket_size`` (``--ddp-bucket-size``)
-    splits the params into several buckets, so that overlapped gathers pipeline."""
+    splits the params into several buckets, so that overlapped gathers pipeline; ``moe_ffn``
+    (``--moe-ffn-hidden-size``, default ``hidden``) sizes each expert; ``extra_flags`` are appended
+    as given (e.g. ``--grad-reduce-in-bf16``, ``--timing-log-level 1``)."""
     extra = [] if bucket_size is None else ["--ddp-bucket-size", str(bucket_size)]
-    return model_flags(hidden=hidden, layers=layers, experts=experts, ep=1, iters=iters) + [
+    base = model_flags(hidden=hidden, layers=layers, experts=experts, ep=1, iters=iters)
+    if moe_ffn is not None:
+        base[base.index("--moe-ffn-hidden-size") + 1] = str(moe_ffn)
+    return base + [
         "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--micro-batch-size", "1",
-        "--global-batch-size", str(dp), "--log-interval", "2", *extra]
+        "--global-batch-size", str(dp), "--log-interval", "2", *extra, *extra_flags]
 
 
 def _torchrun_all(tb: Testbed, script: list[str], *, nproc: int, timeout: float, log_dir: Path) -> list[str]:
@@ -118,7 +134,7 @@ def bench_train(tb, *, nproc, flags, mode, overlap, timeout, work: Path) -> dict
             "ms": statistics.median(per_interval[1:] or per_interval) if per_interval else None,
             "intervals_ms": per_interval, "sha256": sha.group(1) if sha else None, "losses": losses,
             "raw_mb": float(total[-1][0]) if total else None, "wire_mb": float(total[-1][1]) if total else None,
-            "log_lines": picked}
+            "log_lines": picked, "timers_ms": timer_ms(text)}
 
 
 def _merge(runs: list[dict]) -> dict:
@@ -230,6 +246,10 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--bucket-size", type=int, default=None, help="--ddp-bucket-size of the training runs")
+    p.add_argument("--moe-ffn", type=int, default=None, help="--moe-ffn-hidden-size (default: --hidden)")
+    p.add_argument("--extra-flags", default="",
+                   help="more pretrain_gpt.py flags for every training run, one string "
+                        "(e.g. '--grad-reduce-in-bf16 --timing-log-level 1')")
     p.add_argument("--repeats", type=int, default=2, help="training runs per mode, order rotated")
     p.add_argument("--no-gather", action="store_true")
     p.add_argument("--timeout", type=float, default=900, help="per launch")
@@ -250,9 +270,10 @@ def main(argv=None) -> int:
             hosts, nproc = (int(x) for x in layout.split("x"))
             dp = hosts * nproc
             flags = train_flags(hidden=a.hidden, layers=a.layers, experts=a.experts, iters=a.iters, seq=a.seq, dp=dp,
-                                bucket_size=a.bucket_size)
+                                bucket_size=a.bucket_size, moe_ffn=a.moe_ffn, extra_flags=tuple(a.extra_flags.split()))
             for rate in a.rates:
-                cfg = {"layout": layout, "hosts": hosts, "nproc": nproc, "rate": rate, "train": []}
+                cfg = {"layout": layout, "hosts": hosts, "nproc": nproc, "rate": rate, "train": [],
+                       "cores": os.cpu_count()}
                 with Testbed(TestbedConfig(hosts=hosts, link=LinkSpec(rate=rate),
                                           autogroup_nice=a.autogroup_nice)) as tb, \
                         tempfile.TemporaryDirectory() as tmp:
@@ -291,7 +312,8 @@ def main(argv=None) -> int:
                         for mode in a.train_modes:
                             cfg["train"].append(_merge(runs[mode]))
                 cfg["model"] = {"hidden": a.hidden, "layers": a.layers, "experts": a.experts, "seq": a.seq, "dp": dp,
-                                "iters": a.iters, "bucket_size": a.bucket_size}
+                                "iters": a.iters, "bucket_size": a.bucket_size, "moe_ffn": a.moe_ffn,
+                                "extra_flags": a.extra_flags}
                 try:
                     cfg["sim"] = simulate(cfg)
                 except Exception as e:  # the measurement stands without the simulator's column

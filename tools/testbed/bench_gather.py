@@ -82,11 +82,15 @@ def _plain_gather(views, world: int, rank: int) -> None:
         w.wait()
 
 
-def _ciera_gather(gathers) -> None:
+def _ciera_gather(gathers) -> float:
+    """One step; returns this rank's seconds in ``prepare_many`` (encode + the size agreement)."""
+    t0 = time.perf_counter()
     CieraAllGather.prepare_many(gathers)  # every bucket encoded, ONE size agreement
+    prep = time.perf_counter() - t0
     handles = [g.start() for g in gathers]
     for h in handles:
         h.wait()
+    return prep
 
 
 def run(*, numel: int, modes: list[str], lr: float, warmup: int, steps: int, buckets: int = 1) -> dict:
@@ -103,6 +107,7 @@ def run(*, numel: int, modes: list[str], lr: float, warmup: int, steps: int, buc
     multi = {m: [CieraAllGather(v, config=mode_config(m), name=f"{m}.b{i}") for i, v in enumerate(b.views)]
              for m, b in bufs.items()}
     times = {m: [] for m in ["plain", *modes]}
+    prepare = {m: [] for m in modes}  # the slowest rank's encode + agreement seconds per step
     before = {}
 
     def timed(fn) -> float:
@@ -126,7 +131,12 @@ def run(*, numel: int, modes: list[str], lr: float, warmup: int, steps: int, buc
                 t = timed(lambda: _plain_gather(plain_b.views, world, rank))
             else:
                 bufs[name].set_shard(x)
-                t = timed(lambda: _ciera_gather(multi[name]))
+                prep = []
+                t = timed(lambda: prep.append(_ciera_gather(multi[name])))
+                p = torch.tensor(prep, dtype=torch.float64)
+                dist.all_reduce(p, op=dist.ReduceOp.MAX)
+                if step >= warmup:
+                    prepare[name].append(float(p[0]))
             if step >= warmup:
                 times[name].append(t)
         for m, b in bufs.items():
@@ -140,6 +150,10 @@ def run(*, numel: int, modes: list[str], lr: float, warmup: int, steps: int, buc
         g = gs[0]
         parts = [x.stats.minus(b0) for x, b0 in zip(gs, before[m])]
         s = _sum_stats(parts)
+        # the slowest rank's codec seconds (a collective waits for it): where ranks share cores,
+        # rank 0's own timers can miss what the others were scheduled later for
+        slowest = torch.tensor([s.encode_s, s.decode_s], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         out["modes"][m] = {
             "ms": statistics.median(times[m]) * 1e3,
             "raw_bytes": s.raw_bytes, "wire_bytes": s.wire_bytes,
@@ -147,6 +161,9 @@ def run(*, numel: int, modes: list[str], lr: float, warmup: int, steps: int, buc
             # per step (all buckets): the time one gather of the whole values spent in the codec
             "encode_ms": s.encode_s / max(1, s.gathers // buckets) * 1e3,
             "decode_ms": s.decode_s / max(1, s.gathers // buckets) * 1e3,
+            "prepare_ms": statistics.median(prepare[m]) * 1e3,
+            "encode_ms_max": float(slowest[0]) / max(1, s.gathers // buckets) * 1e3,
+            "decode_ms_max": float(slowest[1]) / max(1, s.gathers // buckets) * 1e3,
             "codec": g.stats.codec,
         }
         d = g.selector.decision if g.selector is not None else None

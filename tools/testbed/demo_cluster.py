@@ -3,11 +3,12 @@
 
 Builds the 2-host testbed (network namespaces, tbf-shaped veth links; needs root), runs
 ``pretrain_gpt.py`` on it (one torchrun node per host, one rank each, c10d rendezvous on host 0)
-as Megatron's baseline, with ``--ciera-allgather`` (``auto``: the cost model decides per bucket),
+(32 experts, 2 MB buckets, ``--grad-reduce-in-bf16``, synchronous param gathers) as Megatron's
+baseline, with ``--ciera-allgather`` (``auto``: the cost model decides per bucket),
 and with exponent_reuse forced, and prints iteration time, all-gather bytes and whether every run's
 losses and params sha256 equal the baseline's. Everything is torn down at the end.
 
-    sudo .venv/bin/python tools/testbed/demo_cluster.py [--rate 1gbit] [--iters 12]
+    sudo .venv/bin/python tools/testbed/demo_cluster.py [--rate 1gbit] [--iters 12] [--overlap]
 """
 
 from __future__ import annotations
@@ -34,20 +35,25 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--experts", type=int, default=32)
     p.add_argument("--bucket-size", type=int, default=2_000_000, help="--ddp-bucket-size")
+    p.add_argument("--overlap", action="store_true", help="--overlap-param-gather (smaller gain, see BENCHMARKS.md)")
     a = p.parse_args(argv)
     # the testbed's communication-bound configuration (BENCHMARKS.md): many experts, 32-token
-    # micro-batches, several buckets
+    # micro-batches, several buckets, gradients reduced in bf16 (--grad-reduce-in-bf16, as
+    # Megatron-LM offers), synchronous param gathers (no --overlap-param-gather; --overlap adds it)
     flags = train_flags(hidden=a.hidden, layers=2, experts=a.experts, iters=a.iters, seq=32, dp=2,
-                        bucket_size=a.bucket_size)
+                        bucket_size=a.bucket_size, extra_flags=("--grad-reduce-in-bf16",))
     try:
         with Testbed(TestbedConfig(hosts=2, link=LinkSpec(rate=a.rate))) as tb, tempfile.TemporaryDirectory() as tmp:
             bw = probe_link(tb)
             print(f"testbed {tb.name}: 2 hosts ({tb.addr(0)}, {tb.addr(1)}), link {a.rate} "
-                  f"(one TCP stream: {bw / 1e6:.0f} MB/s); {a.iters} iterations per run", flush=True)
+                  f"(one TCP stream: {bw / 1e6:.0f} MB/s); {a.iters} iterations per run, "
+                  f"{'overlapped' if a.overlap else 'synchronous'} param gathers, bf16 grad reduce-scatter",
+                  flush=True)
             runs = {}
             for mode, label in RUNS:
                 print(f"  running {label} ...", flush=True)
-                runs[mode] = bench_train(tb, nproc=1, flags=flags, mode=mode, overlap=True, timeout=900, work=Path(tmp))
+                runs[mode] = bench_train(tb, nproc=1, flags=flags, mode=mode, overlap=a.overlap, timeout=900,
+                                         work=Path(tmp))
     except TestbedUnavailable as e:
         print(f"demo-cluster: cannot run here: {e}", file=sys.stderr)
         return 77

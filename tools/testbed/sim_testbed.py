@@ -24,8 +24,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+import os
+import re
+
 from ciera.cost_model import (
-    CodecEstimate, CodecSpeed, LinkModel, TwoLevelLink, agreement_time, predict_compressed, predict_raw,
+    CodecEstimate, CodecSpeed, HostShare, LinkModel, TwoLevelLink, agreement_time, predict_compressed, predict_raw,
 )
 
 LOOPBACK_BYTES_PER_S = 2e9
@@ -125,19 +128,57 @@ def codec_speed(*, shard_bytes: float, world: int, encode_ms: float, decode_ms: 
                       decode_bytes_per_s=(world - 1) * shard_bytes / max(decode_ms, 1e-6) * 1e3)
 
 
-def predict(cfg: dict) -> dict:
+def host_share(cfg: dict) -> HostShare:
+    """Every testbed host is a namespace of this one machine: all ``hosts x nproc`` ranks share
+    its cores (``cfg['cores']``, recorded by bench_cluster; else this machine's)."""
+    return HostShare(cores=float(cfg.get("cores") or os.cpu_count() or 1), ranks=cfg["hosts"] * cfg["nproc"])
+
+
+def single_core_speeds(cfgs: list[dict]) -> dict[str, dict[str, CodecSpeed]]:
+    """Per rate, per codec: the codec's single-core speed, from the configurations whose ranks do
+    not share cores (``HostShare.slowdown == 1``: each rank's timers are its own core's)."""
+    out: dict[str, dict[str, CodecSpeed]] = {}
+    for c in cfgs:
+        g = c.get("gather")
+        if not g or host_share(c).slowdown > 1:
+            continue
+        shard = g["numel"] // g["world"] * 2
+        for m, s in g["modes"].items():
+            if m != "auto" and s["raw_gathers"] < s["gathers"]:
+                out.setdefault(c["rate"], {})[m] = codec_speed(
+                    shard_bytes=shard, world=g["world"], encode_ms=s["encode_ms"], decode_ms=s["decode_ms"])
+    return out
+
+
+def predict(cfg: dict, *, single_core: dict[str, CodecSpeed] | None = None) -> dict:
     """Predicted gather and training times (ms) for one bench_cluster configuration.
 
+    Gathers: encode, the size agreement, the link, decode in series (the serial timeline,
+    ``overlap_comm=False`` in ``tools/sim/timeline.py``). Where the ranks share the machine's
+    cores (:func:`host_share`, 4 ranks on 2 cores) and ``single_core`` speeds are given (per
+    codec, from a configuration whose ranks do not share cores): the codec phases take
+    ``HostShare.slowdown`` x the single-core time, and so does each latency-bound step of the size
+    agreement (it runs right after the encode, while the cores are busy: each step waits for its
+    receiver to be scheduled). Otherwise the codec speeds are this configuration's own timers.
     Training (synchronous and overlapped alike): the measured baseline minus the predicted plain
-    gathers of one iteration plus the predicted CIERA gathers of the same bytes (encode, link,
-    decode in series: the serial timeline, ``overlap_comm=False`` in ``tools/sim/timeline.py``);
-    ``auto`` is predicted with the codec its gather benchmark ended with."""
+    gathers of one iteration plus the predicted CIERA gathers of the same bytes; ``auto`` is
+    predicted with the codec its gather benchmark ended with."""
     out: dict = {"gather": {}, "train": {}}
     if "link_probe_bytes_per_s" not in cfg:
         return out
     link = link_for(cfg)
     g = cfg.get("gather")
+    host = host_share(cfg)
+    shared = host.slowdown > 1 and bool(single_core)
     speeds: dict[str, CodecSpeed] = {}
+
+    def compressed(*, shard, world, est, buckets=1):
+        agree = agreement_time(link=link, world=world, buckets=buckets) * buckets
+        if shared:
+            agree *= host.slowdown
+        return predict_compressed(raw_bytes_per_rank=shard, world=world, link=link, estimate=est,
+                                  agreement_s=agree, host=host if shared else None).total_s
+
     if g:
         world = g["world"]
         shard = g["numel"] // world * 2  # bf16 bytes per rank
@@ -148,14 +189,23 @@ def predict(cfg: dict) -> dict:
                 out["gather"][m] = plain * 1e3
                 continue
             name = s["codec"] if m == "auto" else m
-            speeds[name] = codec_speed(shard_bytes=shard, world=world, encode_ms=s["encode_ms"],
-                                       decode_ms=s["decode_ms"])
+            if shared and name in single_core:
+                speeds[name] = single_core[name]
+            elif shared:
+                continue  # no single-core figure for this codec: no prediction
+            else:
+                speeds[name] = codec_speed(shard_bytes=shard, world=world, encode_ms=s["encode_ms"],
+                                           decode_ms=s["decode_ms"])
             est = CodecEstimate(name, wire_ratio=s["wire_bytes"] / s["raw_bytes"], speed=speeds[name])
-            out["gather"][m] = predict_compressed(  # + the size agreement, as auto charges it
-                raw_bytes_per_rank=shard, world=world, link=link, estimate=est,
-                agreement_s=agreement_time(link=link, world=world)).total_s * 1e3
+            out["gather"][m] = compressed(shard=shard, world=world, est=est) * 1e3
     world = cfg["hosts"] * cfg["nproc"]
     gathers = cfg.get("model", {}).get("iters", 0) + 1
+    out["train_gather"] = {}  # one iteration's param gathers (Megatron's params-all-gather timer, sync)
+    it_shard = iteration_bytes_per_rank(cfg)
+    nb = train_buckets(cfg)  # each bucket group is its own gather: its own ring steps
+
+    def raw_iteration(shard):
+        return nb * predict_raw(raw_bytes_per_rank=shard / nb, world=world, link=link).total_s
     for t in cfg.get("train", []):
         base = next((b for b in cfg["train"] if b["mode"] == "baseline" and b["overlap"] == t["overlap"]), None)
         if not base or not base["ms"]:
@@ -163,18 +213,36 @@ def predict(cfg: dict) -> dict:
         key = f"{t['mode']}:{'overlap' if t['overlap'] else 'sync'}"
         if t["mode"] == "baseline" or not t["raw_mb"] or t["wire_mb"] >= t["raw_mb"]:
             out["train"][key] = base["ms"]  # nothing compressed: the baseline's gathers
+            if it_shard:
+                out["train_gather"][key] = raw_iteration(it_shard) * 1e3
             continue
         name = t["mode"] if t["mode"] in speeds else (g["modes"].get("auto", {}).get("codec") if g else None)
         if name not in speeds:
             continue
         shard = t["raw_mb"] * 1e6 / gathers / world  # each rank's bytes of one iteration's buckets
-        raw_s = predict_raw(raw_bytes_per_rank=shard, world=world, link=link).total_s
+        raw_s = raw_iteration(shard)
         est = CodecEstimate(name, wire_ratio=t["wire_mb"] / t["raw_mb"], speed=speeds[name])
-        buckets = cfg.get("train_buckets", 1)  # one agreement per step, shared by the buckets
-        c_s = predict_compressed(raw_bytes_per_rank=shard, world=world, link=link, estimate=est,
-                                 agreement_s=agreement_time(link=link, world=world, buckets=buckets) * buckets).total_s
+        # one size agreement per step, shared by the buckets; each bucket's payload its own gather
+        agree = agreement_time(link=link, world=world, buckets=nb) * nb * (host.slowdown if shared else 1.0)
+        c_s = nb * predict_compressed(raw_bytes_per_rank=shard / nb, world=world, link=link, estimate=est,
+                                      host=host if shared else None).total_s + agree
         out["train"][key] = base["ms"] + (c_s - raw_s) * 1e3
+        out["train_gather"][key] = c_s * 1e3
     return out
+
+
+BUCKETS = re.compile(r"CIERA all-gather on (\d+) bucket group")
+
+
+def train_buckets(cfg: dict) -> int:
+    """Bucket groups of the training runs (their install line; ``cfg['train_buckets']`` if set)."""
+    if cfg.get("train_buckets"):
+        return int(cfg["train_buckets"])
+    for t in cfg.get("train", []):
+        for line in t.get("log_lines", []):
+            if m := BUCKETS.search(line):
+                return int(m.group(1))
+    return 1
 
 
 def iteration_bytes_per_rank(cfg: dict) -> float | None:
