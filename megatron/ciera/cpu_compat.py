@@ -3,10 +3,11 @@
 Megatron-Core assumes a GPU in a handful of places (see ``shared/reference/megatron-core-notes``):
 buffers allocated on ``torch.cuda.current_device()``, ``device='cuda'`` tensors in the optimizer,
 pinned host staging tensors, a type check that wants ``torch.cuda.*Tensor`` names, CUDA streams
-and events around the collectives, the CUDA RNG state in the tensor-parallel RNG tracker, and two collectives gloo
-lacks (uneven list ``all_gather``, list ``reduce_scatter``: MoE token exchange under TP). :func:`enable` redirects
-exactly those to the CPU so that DDP + the distributed optimizer + GPTModel (local spec) run on
-gloo ranks; nothing else is changed.
+and events around the collectives, the CUDA RNG state in the tensor-parallel RNG tracker, two collectives gloo
+lacks (uneven list ``all_gather``, list ``reduce_scatter``: MoE token exchange under TP), and the
+pipeline's early free of sent activations, which relies on CUDA's stream-ordered allocator.
+:func:`enable` redirects exactly those to the CPU so that DDP + the distributed optimizer +
+GPTModel (local spec) run on gloo ranks; nothing else is changed.
 
 It is opt-in and refuses to run where CUDA exists: the GPU path never sees any of this.
 
@@ -149,8 +150,25 @@ def _list_reduce_scatter(output, input_list, op=None, group=None, async_op=False
     output.copy_(full[offset: offset + output.numel()].view_as(output))
 
 
+def _keep_sent_output(out, deallocate_pipeline_outputs=False):
+    """The pipeline schedules' ``deallocate_output_tensor``, with the sent storage kept alive.
+
+    Upstream swaps a sent activation's storage for a scalar right after ``isend`` (its backward
+    then asserts the scalar). The interleaved schedule waits on that send later; on a GPU the
+    caching allocator orders any reuse after the send on its stream, but gloo sends from host
+    memory that is already freed and reused, so the next stage received corrupted activations
+    (PP 2 x VPP 2 differed run to run, sometimes with a NaN gradient norm). The old storage now
+    lives as long as the output tensor itself: peak memory changes, no value does."""
+    if out is None or not deallocate_pipeline_outputs:
+        return
+    sent = out.data
+    out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
+    out._ciera_sent_storage = sent
+
+
 def _patches() -> list[tuple[object, str, object]]:
     """(owner, attribute, replacement) for everything replaced while active."""
+    from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
@@ -186,6 +204,7 @@ def _patches() -> list[tuple[object, str, object]]:
         (token_dispatcher, "maybe_move_tensor_to_cpu", _split_sizes_to_host),
         (torch.distributed, "all_gather", _uneven_all_gather(torch.distributed.all_gather)),
         (torch.distributed, "reduce_scatter", _list_reduce_scatter),
+        (schedules, "deallocate_output_tensor", _keep_sent_output),
     ]
     return patches
 

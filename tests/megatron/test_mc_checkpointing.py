@@ -484,9 +484,7 @@ _VPP = ["--num-layers", "4", *_PP2, "--num-layers-per-virtual-pipeline-stage", "
 
 @pytest.mark.slow
 @pytest.mark.parametrize("before,after", [(_TP2, []), ([], _TP2), (_PP2, []), ([], _PP2), (_EP2, []), ([], _EP2),
-                                          pytest.param(_VPP, ["--num-layers", "4"], marks=pytest.mark.xfail(
-                                              strict=False, reason="PP 2 x VPP 2 on 2 gloo ranks: NaN gradient norm "
-                                              "at iteration 1 in some runs (see test_virtual_pipeline_resume_is_bit_exact)"))],
+                                          (_VPP, ["--num-layers", "4"])],
                          ids=["tp2-tp1", "tp1-tp2", "pp2-pp1", "pp1-pp2", "ep2-ep1", "ep1-ep2", "vpp2-pp1"])
 def test_resume_at_another_layout(one_rank_group, tmp_path, before, after):
     """2 ranks each side. The checkpoint written at ``before`` loads at ``after`` with the same
@@ -501,10 +499,6 @@ def test_resume_at_another_layout(one_rank_group, tmp_path, before, after):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason=(
-    "known issue (2026-12-01): PP 2 x VPP 2 on 2 gloo ranks (DP 1) is not deterministic run to run: "
-    "three identical 4-iteration runs gave iteration-2 losses 5.548890, 5.548713, 5.549098, and one "
-    "stopped at iteration 3 on a NaN gradient norm, so no resume can match it bit for bit"))
 def test_virtual_pipeline_resume_is_bit_exact(tmp_path):
     """PP 2 x VPP 2 (chunks saved as model0 / model1): stop at 2, resume to 4, equal to the
     uninterrupted run, with and without CIERA."""

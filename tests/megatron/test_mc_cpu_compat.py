@@ -47,3 +47,21 @@ def test_enable_refuses_where_cuda_exists(monkeypatch):
     with pytest.raises(RuntimeError, match="CUDA is available"):
         cpu_compat.enable()
     assert not cpu_compat.is_active()
+
+
+def test_pipeline_outputs_freed_after_send_keep_their_storage_on_cpu():
+    """The schedules pseudo-free a sent activation (their backward asserts one element), but gloo
+    may still be sending from it: on CPU the storage must outlive the send, values untouched."""
+    from megatron.core.pipeline_parallel import schedules
+
+    with cpu_compat.enabled():
+        out = torch.arange(12.0).reshape(3, 4)
+        ptr = out.data_ptr()
+        schedules.deallocate_output_tensor(out, True)
+        assert out.numel() == 1
+        kept = out._ciera_sent_storage
+        assert kept.data_ptr() == ptr and torch.equal(kept, torch.arange(12.0).reshape(3, 4))
+        untouched = torch.ones(2)
+        schedules.deallocate_output_tensor(untouched, False)
+        assert untouched.numel() == 2
+    assert schedules.deallocate_output_tensor is not cpu_compat._keep_sent_output
