@@ -240,6 +240,26 @@ def test_bytes_do_not_depend_on_threads(name, dtype, threads):
         assert torch.equal(as_bits(target), as_bits(new)), k
 
 
+def _assert_native_equals_reference(ref, nat, x, steps, *, fill, thread_counts, threads, monkeypatch):
+    """For each step ``y`` from ``x``: the native codec, on the portable and the AVX2 path at each
+    thread count, writes the reference's payload bytes (out pre-filled with ``fill``) and state,
+    and decodes the reference's payload to ``y``'s bits."""
+    n, cap = x.numel(), ref.clamp_capacity(ref.max_bytes)
+    for y in steps:
+        want, want_state = torch.full((cap,), fill, dtype=torch.uint8), ref.new_state(shard=x)
+        ref.encode(shard=y, state=want_state, out=want)
+        for avx2 in ("0", "1"):
+            monkeypatch.setenv("CIERA_NATIVE_AVX2", avx2)
+            for k in thread_counts:
+                threads(k)
+                got, state = torch.full((cap,), fill, dtype=torch.uint8), nat.new_state(shard=x)
+                nat.encode(shard=y, state=state, out=got)
+                assert torch.equal(got, want) and torch.equal(state, want_state), (n, avx2, k)
+                target = x.clone()
+                nat.decode(payload=want, target=target)
+                assert torch.equal(as_bits(target), as_bits(y)), (n, avx2, k)
+
+
 @pytest.mark.parametrize("name", NATIVE_CODECS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_portable_and_avx2_paths_equal_the_reference(name, dtype, threads, monkeypatch):
@@ -255,20 +275,8 @@ def test_portable_and_avx2_paths_equal_the_reference(name, dtype, threads, monke
                                for k in ("nan_inf", "all_exponents", "replace", "sign_flip")]
         ref = make_codec(name, dtype=dtype, numel=n, backend="torch", block_size=block)
         nat = make_codec(name, dtype=dtype, numel=n, backend="native", block_size=block)
-        cap = ref.clamp_capacity(ref.max_bytes)
-        for y in steps:
-            want = torch.full((cap,), 0x5A, dtype=torch.uint8)
-            want_state = ref.new_state(shard=x)
-            ref.encode(shard=y, state=want_state, out=want)
-            for avx2, k in (("0", 1), ("0", 3), ("1", 1), ("1", 3)):
-                monkeypatch.setenv("CIERA_NATIVE_AVX2", avx2)
-                threads(k)
-                got, state = torch.full((cap,), 0x5A, dtype=torch.uint8), nat.new_state(shard=x)
-                nat.encode(shard=y, state=state, out=got)
-                assert torch.equal(got, want) and torch.equal(state, want_state), (n, avx2, k)
-                target = x.clone()
-                nat.decode(payload=want, target=target)
-                assert torch.equal(as_bits(target), as_bits(y)), (n, avx2, k)
+        _assert_native_equals_reference(ref, nat, x, steps, fill=0x5A, thread_counts=(1, 3),
+                                        threads=threads, monkeypatch=monkeypatch)
 
 
 @pytest.mark.parametrize("name", NATIVE_CODECS)
@@ -284,20 +292,8 @@ def test_short_shards_and_odd_thread_splits_equal_the_reference(name, dtype, thr
         steps = [tr.step(), adversarial_step(x, kind="all_exponents", gen=torch.Generator().manual_seed(n))]
         ref = make_codec(name, dtype=dtype, numel=n, backend="torch")
         nat = make_codec(name, dtype=dtype, numel=n, backend="native")
-        cap = ref.clamp_capacity(ref.max_bytes)
-        for y in steps:
-            want, want_state = torch.full((cap,), 0xA5, dtype=torch.uint8), ref.new_state(shard=x)
-            ref.encode(shard=y, state=want_state, out=want)
-            for avx2 in ("0", "1"):
-                monkeypatch.setenv("CIERA_NATIVE_AVX2", avx2)
-                for k in (1, 2, 3):
-                    threads(k)
-                    got, state = torch.full((cap,), 0xA5, dtype=torch.uint8), nat.new_state(shard=x)
-                    nat.encode(shard=y, state=state, out=got)
-                    assert torch.equal(got, want) and torch.equal(state, want_state), (n, avx2, k)
-                    target = x.clone()
-                    nat.decode(payload=want, target=target)
-                    assert torch.equal(as_bits(target), as_bits(y)), (n, avx2, k)
+        _assert_native_equals_reference(ref, nat, x, steps, fill=0xA5, thread_counts=(1, 2, 3),
+                                        threads=threads, monkeypatch=monkeypatch)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
