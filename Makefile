@@ -5,18 +5,24 @@ BIN := $(VENV)/bin
 
 .PHONY: setup native demo test test-all bench bench-codec test-megatron-latest testbed-setup demo-cluster bench-cluster
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(VENV)/.native
 
 # torch==2.13.0 (CPU) via the `cpu` extra; GPU clusters install with `pip install -e '.[triton]'`.
-$(VENV)/.installed: setup.py ciera/native/csrc/ciera_codecs.c
+# pip builds the native codecs from the current C source, hence the second stamp.
+$(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
 	$(BIN)/python -m pip install -q -e '.[cpu,triton,dev]'
-	touch $@
+	touch $@ $(VENV)/.native
 
-# Rebuild the native CPU codecs in place after editing ciera/native/csrc (make setup builds them too).
-native: setup
+# An edit of ciera/native/csrc rebuilds only the extension in place (seconds), not the venv.
+$(VENV)/.native: ciera/native/csrc/ciera_codecs.c | $(VENV)/.installed
+	@[ $@ -nt $< ] || { $(BIN)/python setup.py -q build_ext --inplace && touch $@; }
+
+# Rebuild the native CPU codecs in place now, whatever the stamps say.
+native: | $(VENV)/.installed
 	$(BIN)/python setup.py -q build_ext --inplace
+	touch $(VENV)/.native
 
 demo: setup
 	$(BIN)/python examples/cpu_demo.py

@@ -215,13 +215,32 @@ def _layout(args) -> tuple[int, int]:
     return (getattr(args, "pipeline_model_parallel_size", 1) or 1, getattr(args, "tensor_model_parallel_size", 1) or 1)
 
 
+def _sub_optimizers(optimizer) -> list:
+    """The distributed optimizers behind ``optimizer``: a ChainedOptimizer's (dense, then expert
+    parameters), or the optimizer itself."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+@contextlib.contextmanager
+def _instance_override(name: str, overrides: list):
+    """Give each object of the ``(object, function)`` pairs its own attribute ``name`` for the
+    duration of the block; afterwards the class's method shows through again, even on error."""
+    for obj, fn in overrides:
+        setattr(obj, name, fn)
+    try:
+        yield
+    finally:
+        for obj, _ in overrides:
+            delattr(obj, name)
+
+
 @torch.no_grad()
 def _materialise_optimizer_state(optimizer) -> None:
     """A fresh torch optimizer has no state yet (no ``step``, no moments), and megatron-core's
     distributed optimizer cannot describe (hence load) a state it does not have. One step on zero
     gradients creates it; the parameters are restored bit for bit (weight decay moved them) and
     the load overwrites the state itself."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in _sub_optimizers(optimizer):
         inner = opt.optimizer
         if inner.state:
             continue
@@ -277,9 +296,9 @@ def _bucket_padding_fix(optimizer):
     (padded) layout, so each parameter's slice is its own. The checkpoint holds the same keys and
     shapes as upstream's; only the values of the parameters past the first bucket change (they
     become right). Loading needs no change: its world tensors are empty placeholders."""
-    patched = []
+    overrides = []
     if _upstream_misplaces_padded_buckets():
-        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for opt in _sub_optimizers(optimizer):
             original = getattr(opt, "get_parameter_state_dp_zero", None)
             if original is None or not hasattr(opt, "buffers"):
                 continue
@@ -295,13 +314,9 @@ def _bucket_padding_fix(optimizer):
                                 world[key] = _in_buffer_layout(world[key], buffer)
                 return state
 
-            opt.get_parameter_state_dp_zero = dp_zero
-            patched.append(opt)
-    try:
+            overrides.append((opt, dp_zero))
+    with _instance_override("get_parameter_state_dp_zero", overrides):
         yield
-    finally:
-        for opt in patched:
-            del opt.get_parameter_state_dp_zero  # back to the class's method
 
 
 def _sharded_state_dict(model, optimizer, *, metadata: dict, with_optimizer: bool, with_rng: bool,
@@ -559,8 +574,8 @@ def _torch_adam_step_fix(optimizer):
     ``step`` still fails. Afterwards every parameter gets its own ``step`` tensor: the load gives
     them all one shared tensor, which torch Adam's foreach path would then increment once per
     parameter per step (a wrong bias correction from the first step after the resume on)."""
-    patched = []
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    overrides = []
+    for opt in _sub_optimizers(optimizer):
         original = getattr(opt, "_set_main_param_and_optimizer_states", None)
         if original is None:
             continue
@@ -580,14 +595,10 @@ def _torch_adam_step_fix(optimizer):
                 return
             _original(model_param, tensors)
 
-        opt._set_main_param_and_optimizer_states = setter
-        patched.append(opt)
-    try:
+        overrides.append((opt, setter))
+    with _instance_override("_set_main_param_and_optimizer_states", overrides):
         yield
-    finally:
-        for opt in patched:
-            del opt._set_main_param_and_optimizer_states  # back to the class's method
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in _sub_optimizers(optimizer):
         for state in opt.optimizer.state.values():
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].clone()
@@ -629,7 +640,7 @@ def _fit_optimizer_layout(loaded: dict, optimizer) -> dict:
     ``ChainedOptimizer.load_state_dict`` (``KeyError: 'optimizer'`` from EP 2 to EP 1, a count
     error from EP 1 to EP 2); here each of this run's optimizers gets the checkpoint's groups
     that match its own. A structure that already matches is returned as is."""
-    subs = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    subs = _sub_optimizers(optimizer)
     saved = _saved_optimizers(loaded)
     single = len(subs) == 1
     if (single and "optimizer" in loaded) or (not single and len(saved) == len(subs) and "optimizer" not in loaded):
