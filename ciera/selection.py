@@ -16,7 +16,9 @@ best-of-few probe on a synthetic shard: optimistic, especially on a loaded CPU h
 follow the real gathers: the first real figures replace the probe's, later ones are averaged in.
 Because the first decision rests on the probe alone, it compresses only when a codec beats raw by
 the ``hysteresis`` margin, and a bucket that starts compressing is re-decided after
-``EARLY_RECHECK`` gathers on its real timings (then every ``reevaluate_interval``). The link is
+``EARLY_RECHECK`` gathers on its real timings (then every ``reevaluate_interval``). Where raw
+wins outright (the codec work alone exceeds the raw gather), the interval doubles at each
+decision up to ``MAX_BACKOFF`` times, so the probes cost next to nothing on a fast link. The link is
 measured once per group at the sizes its first bucket sends. The selector returns decisions
 (:class:`Switch`); the gather applies them.
 """
@@ -38,6 +40,14 @@ logger = logging.getLogger(__name__)
 EARLY_RECHECK = 4
 """Gathers after a first decision that compressed before the next decision, which then uses the
 real encode/decode timings of those gathers (at most ``reevaluate_interval``)."""
+
+MAX_BACKOFF = 16
+"""Largest multiple of ``reevaluate_interval`` between decisions while raw wins outright: every
+candidate's encode + decode alone takes longer than the raw gather, so no wire ratio could change
+the answer (only the codecs' speed or the link could, and they move slowly). Each such decision
+doubles the interval, up to this factor; any other decision resets it. A decision costs a copy of
+the shard and one probe encode per candidate: on a fast link (one host's memcpy) that would
+otherwise be several percent of the raw gathers it sits between."""
 
 
 class Measurements:
@@ -107,6 +117,8 @@ class Selector:
         self.snapshot: torch.Tensor | None = None
         self.decision: cm.Decision | None = None
         self.decisions = 0
+        self.backoff = 1
+        """Multiple of ``reevaluate_interval`` until the next decision (see :data:`MAX_BACKOFF`)."""
         self._last_stats = None
 
     def before_gather(self, index: int, *, warmup_left: int, shard: torch.Tensor, current: str | None,
@@ -121,7 +133,9 @@ class Selector:
         if index == self.decide_at and self.snapshot is not None:
             switch = self._decide(current=current, probe=probe, stats=stats)
             self.snapshot = None
-            interval = self.config.reevaluate_interval
+            outright = self.config.selection == "auto" and _raw_wins_outright(self.decision)
+            self.backoff = min(2 * self.backoff, MAX_BACKOFF) if outright else 1
+            interval = self.config.reevaluate_interval * self.backoff
             if self.decisions == 1 and self.decision.compress:  # rests on the start-up probe: check soon
                 interval = min(interval, EARLY_RECHECK)
             self.decide_at = index + interval
@@ -180,3 +194,10 @@ class Selector:
             enc, dec = cm.Ewma(alpha=enc.alpha), cm.Ewma(alpha=dec.alpha)
         self.speeds[current] = (enc.update(d.encode_s / (n * raw_b)),
                                 dec.update(d.decode_s / (n * max(self.world - 1, 1) * raw_b)))
+
+
+def _raw_wins_outright(decision: cm.Decision) -> bool:
+    """Raw chosen, and every candidate's codec work alone (its prediction less the collective)
+    already exceeds raw's whole gather: no payload size could make compressing pay."""
+    raw = decision.predictions[0]
+    return decision.choice == cm.RAW and all(p.total_s - p.comm_s >= raw.total_s for p in decision.predictions[1:])

@@ -9,6 +9,8 @@ buffer size and codec: median time per gather of each, their ratio, and bytes re
 summed over ranks) and their quotient, the price of equal-size payloads at the agreed size.
 
     python tools/bench_allgather.py                       # gloo, 4 ranks, 16M and 64M values
+    python tools/bench_allgather.py --world 2 --numel 1048576 --codecs auto --warmup 4 --steps 400
+                                                          # auto's price where it must send raw
     python tools/bench_allgather.py --backend nccl        # one process per GPU (torchrun-less spawn)
 """
 
@@ -31,6 +33,13 @@ from ciera.testing import run_on_ranks  # noqa: E402
 from ciera.trajectory import AdamTrajectory  # noqa: E402
 
 
+def mode_config(codec: str) -> CieraConfig:
+    """A codec forced on every gather, or ``auto``: the cost model picks raw or a codec per bucket."""
+    if codec == "auto":
+        return CieraConfig(codec="auto", selection="auto")
+    return CieraConfig(codec=codec, selection="always")
+
+
 def _worker(rank, world, numel, codecs, lr, warmup, steps, device_type):
     device = torch.device(f"cuda:{rank}") if device_type == "cuda" else torch.device("cpu")
     if device_type == "cuda":
@@ -38,7 +47,7 @@ def _worker(rank, world, numel, codecs, lr, warmup, steps, device_type):
     shard = numel // world
     traj = AdamTrajectory(numel=shard, lr=lr, seed=rank, device=device)
     plain = torch.zeros(numel, dtype=torch.bfloat16, device=device)
-    gathers = {c: CieraAllGather(torch.zeros_like(plain), config=CieraConfig(codec=c, selection="always"), name=c) for c in codecs}
+    gathers = {c: CieraAllGather(torch.zeros_like(plain), config=mode_config(c), name=c) for c in codecs}
     times = {c: [] for c in ["plain", *codecs]}
 
     def timed(fn):
@@ -77,7 +86,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--numel", type=int, nargs="+", default=[1 << 24, 1 << 26], help="bucket sizes (values)")
-    p.add_argument("--codecs", nargs="+", default=["exponent_reuse", "delta"])
+    p.add_argument("--codecs", nargs="+", default=["exponent_reuse", "delta"],
+                   help="forced codecs, and/or auto (selection by the cost model)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--warmup", type=int, default=20, help="steps before timing (first gathers are raw)")
     p.add_argument("--steps", type=int, default=8)
@@ -92,20 +102,22 @@ def main(argv=None) -> int:
 
     print(f"# bench_allgather: {args.backend}, {args.world} ranks, bf16, lr {args.lr:g}, warmup {args.warmup}, "
           f"{args.steps} timed steps, torch {torch.__version__}")
-    lines = ["| values | codec | plain ms | CIERA ms | speed-up | wire/raw | payload/raw | wire/payload | raw gathers |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| values | codec | plain ms | CIERA ms | speed-up | mean speed-up | wire/raw | payload/raw | wire/payload "
+             "| raw gathers |", "|---|---|---|---|---|---|---|---|---|---|"]
     for numel in args.numel:
         results = run_on_ranks(_worker, world=args.world,
                                args=(numel, args.codecs, args.lr, args.warmup, args.steps, "cpu"))
         # A gather is as slow as its slowest rank.
-        def med(name):
-            return statistics.median(max(r["times"][name][i] for r in results) for i in range(args.steps))
-        plain = med("plain")
+        def slowest(name):
+            return [max(r["times"][name][i] for r in results) for i in range(args.steps)]
+        plain = statistics.median(slowest("plain"))
+        plain_mean = statistics.fmean(slowest("plain"))
         for c in args.codecs:
             s = results[0]["stats"][c]
-            t = med(c)
+            t = statistics.median(slowest(c))
+            mean = plain_mean / statistics.fmean(slowest(c))  # the decision gathers' probes count here
             wire, payload = s.wire_bytes / s.raw_bytes, s.payload_bytes / s.raw_bytes
-            lines.append(f"| {numel:,} | {c} | {plain * 1e3:.1f} | {t * 1e3:.1f} | {plain / t:.2f}x "
+            lines.append(f"| {numel:,} | {c} | {plain * 1e3:.2f} | {t * 1e3:.2f} | {plain / t:.3f}x | {mean:.3f}x "
                          f"| {wire:.4f} | {payload:.4f} | {wire / payload if payload else float('nan'):.4f} "
                          f"| {s.raw_gathers} |")
             print(lines[-1], flush=True)

@@ -93,3 +93,31 @@ def test_codec_auto_under_always_still_picks_a_codec_first():
     sel, probe = _selector(enc_s=0.0105, dec_s=0.0085, config=CieraConfig(selection="always", codec="auto"))
     modes = _run(sel, probe, 4, 0.0, 0.0)
     assert modes[CieraConfig().warmup_gathers:] == ["delta"] * (4 - CieraConfig().warmup_gathers)
+
+
+def _decision_gathers(sel, probe, gathers: int) -> list[int]:
+    before = []
+    for i in range(gathers):
+        n = sel.decisions
+        sel.before_gather(i, warmup_left=0, shard=torch.zeros(4), current=None, probe=probe,
+                          stats=lambda: GatherStats(codec="raw"))
+        if sel.decisions > n:
+            before.append(i)
+    return before
+
+
+def test_raw_that_wins_outright_backs_off_its_rechecks():
+    """On a link where the codec work alone exceeds the raw gather (one host's memcpy), each
+    re-decision doubles the interval up to MAX_BACKOFF x reevaluate_interval, so the probes' cost
+    (a shard copy and one encode per candidate) fades; a near miss keeps the plain interval."""
+    cfg = CieraConfig(selection="auto", reevaluate_interval=4)
+    sel, probe = _selector(enc_s=0.020, dec_s=0.015, config=cfg)  # 35 ms of codec work vs 26.2 ms raw
+    at = _decision_gathers(sel, probe, 2 + 4 * (2 + 4 + 8 + 16 + 16 + 16))
+    w = cfg.warmup_gathers
+    assert at == [w, w + 8, w + 24, w + 56, w + 120, w + 184, w + 248], at
+    assert sel.backoff == selection.MAX_BACKOFF == 16 and sel.decision.choice == "raw"
+
+    near, probe = _selector(enc_s=0.012, dec_s=0.010, config=cfg)  # 22 ms + wire: loses, not outright
+    at = _decision_gathers(near, probe, 2 + 4 * 5)
+    assert near.decision.choice == "raw" and near.backoff == 1
+    assert at == [w + 4 * k for k in range(6)], at
