@@ -65,7 +65,8 @@ _HONOURED = {
     "multi_latent_attention", "mtp_num_layers", "mtp_loss_scaling_factor", "transformer_impl",
     "manual_gc", "manual_gc_interval", "manual_gc_eval", "no_check_for_nan_in_loss_and_grad",
     "expert_tensor_parallel_size", "context_parallel_size", "sequence_parallel", "cp_comm_type",
-    "ddp_bucket_size", "ddp_average_in_collective", "num_distributed_optimizer_instances",
+    "ddp_bucket_size", "ddp_average_in_collective", "ddp_pad_buckets_for_high_nccl_busbw",
+    "ddp_reduce_scatter_with_fp32_accumulation", "num_distributed_optimizer_instances",
     "rope_type", "moe_latent_size", "local_rank", "accumulate_allreduce_grads_in_fp32", "grad_reduce_in_bf16",
 }
 

@@ -87,10 +87,13 @@ def transformer_config(args):
 def ddp_config(args):
     from megatron.core.distributed import DistributedDataParallelConfig
 
+    # Upstream's flags whose dest is not the field's name (megatron/training/training.py's mapping).
     return _from_args(DistributedDataParallelConfig, args,
                       grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
                       bucket_size=args.ddp_bucket_size,
-                      average_in_collective=args.ddp_average_in_collective)
+                      average_in_collective=args.ddp_average_in_collective,
+                      pad_buckets_for_high_nccl_busbw=args.ddp_pad_buckets_for_high_nccl_busbw,
+                      reduce_scatter_with_fp32_accumulation=args.ddp_reduce_scatter_with_fp32_accumulation)
 
 
 def optimizer_config(args):

@@ -48,6 +48,15 @@ def test_bf16_reduces_gradients_in_fp32_as_upstream():
     assert "needs --main-grads-dtype fp32" in error(["--accumulate-allreduce-grads-in-fp32", "--main-grads-dtype", "bf16"])
 
 
+def test_ddp_flags_with_another_dest_reach_the_ddp_config():
+    """Upstream maps --ddp-* flags onto DistributedDataParallelConfig fields of other names."""
+    from megatron.ciera import model
+
+    assert not model.ddp_config(parse([])).reduce_scatter_with_fp32_accumulation
+    cfg = model.ddp_config(parse(["--ddp-reduce-scatter-with-fp32-accumulation", "--ddp-pad-buckets-for-high-nccl-busbw"]))
+    assert cfg.reduce_scatter_with_fp32_accumulation and cfg.pad_buckets_for_high_nccl_busbw
+
+
 def test_launch_script_flags_are_accepted():
     args = parse(["--use-mcore-models", "--ffn-hidden-size", "128", "--normalization", "RMSNorm",
                   "--position-embedding-type", "rope", "--swiglu", "--disable-bias-linear",
