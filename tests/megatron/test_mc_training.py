@@ -103,3 +103,10 @@ def test_expert_parallel_sync_resume(tmp_path):
                           nproc=4, timeout=300)
     assert second.returncode == 0, second.output[-4000:]
     assert second.losses == {i: whole.losses[i] for i in range(6, 11)} and second.sha256 == whole.sha256
+
+
+def test_fp32_accumulating_reduce_scatter_is_bit_identical():
+    """--ddp-reduce-scatter-with-fp32-accumulation (upstream's all-to-all reduce-scatter: on gloo
+    also the one that moves the all-gather's bytes, not an all-reduce's) with bf16 gradients."""
+    flags = (*OVERLAP, "--grad-reduce-in-bf16", "--ddp-reduce-scatter-with-fp32-accumulation")
+    assert_identical(run(*flags), run(*flags, *CIERA))  # the flag reaching DDP: test_mc_arguments.py
