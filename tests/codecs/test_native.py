@@ -241,23 +241,25 @@ def test_bytes_do_not_depend_on_threads(name, dtype, threads):
 
 
 def _assert_native_equals_reference(ref, nat, x, steps, *, fill, thread_counts, threads, monkeypatch):
-    """For each step ``y`` from ``x``: the native codec, on the portable and the AVX2 path at each
-    thread count, writes the reference's payload bytes (out pre-filled with ``fill``) and state,
-    and decodes the reference's payload to ``y``'s bits."""
+    """For each step ``y`` from ``x``: the native codec, on the portable, the AVX2 and the AVX-512
+    path (where the CPU has them; otherwise the widest it has) at each thread count, writes the
+    reference's payload bytes (out pre-filled with ``fill``) and state, and decodes the reference's
+    payload to ``y``'s bits."""
     n, cap = x.numel(), ref.clamp_capacity(ref.max_bytes)
     for y in steps:
         want, want_state = torch.full((cap,), fill, dtype=torch.uint8), ref.new_state(shard=x)
         ref.encode(shard=y, state=want_state, out=want)
-        for avx2 in ("0", "1"):
+        for avx2, avx512 in (("0", "0"), ("1", "0"), ("1", "1")):
             monkeypatch.setenv("CIERA_NATIVE_AVX2", avx2)
+            monkeypatch.setenv("CIERA_NATIVE_AVX512", avx512)
             for k in thread_counts:
                 threads(k)
                 got, state = torch.full((cap,), fill, dtype=torch.uint8), nat.new_state(shard=x)
                 nat.encode(shard=y, state=state, out=got)
-                assert torch.equal(got, want) and torch.equal(state, want_state), (n, avx2, k)
+                assert torch.equal(got, want) and torch.equal(state, want_state), (n, avx2, avx512, k)
                 target = x.clone()
                 nat.decode(payload=want, target=target)
-                assert torch.equal(as_bits(target), as_bits(y)), (n, avx2, k)
+                assert torch.equal(as_bits(target), as_bits(y)), (n, avx2, avx512, k)
 
 
 @pytest.mark.parametrize("name", NATIVE_CODECS)
