@@ -265,12 +265,15 @@ def _assert_native_equals_reference(ref, nat, x, steps, *, fill, thread_counts, 
 @pytest.mark.parametrize("name", NATIVE_CODECS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_portable_and_avx2_paths_equal_the_reference(name, dtype, threads, monkeypatch):
-    """The C library has AVX2 (+BMI2) paths next to portable ones (width lookups, exception masks);
-    ``CIERA_NATIVE_AVX2=0`` forces the portable ones (read on every call). Both give the
+    """The C library has AVX2 (+BMI2) and, for delta's 16-bit values, AVX-512 (VBMI, VBMI2) paths
+    next to portable ones (width lookups, exception masks, group packing and unpacking);
+    ``CIERA_NATIVE_AVX2=0`` forces the portable ones and ``CIERA_NATIVE_AVX512=0`` the AVX2 ones
+    (read on every call). All give the
     reference's bytes, state and decoded bits on a trajectory step and on adversarial steps, at
     sizes with partial blocks and groups, at 1 and 3 threads (section 1 runs every case with the
     default path only)."""
-    for n, block in ((70_001, None), (1_037, None), (515, 8 if name == "exponent_reuse" else 16)):
+    for n, block in ((70_001, None), (1_037, None), (515, 8 if name == "exponent_reuse" else 16),
+                     (4_099, 16 if name == "exponent_reuse" else 1024)):  # delta: 2-byte counts and indices
         tr = AdamTrajectory(numel=n, dtype=dtype, lr=3e-4, seed=5)
         x = tr.step()
         steps = [tr.step()] + [adversarial_step(x, kind=k, gen=torch.Generator().manual_seed(n))

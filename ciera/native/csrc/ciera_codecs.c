@@ -735,6 +735,72 @@ ALWAYS_INLINE int64_t group_bytes_small(const uint8_t *ww, int n, int G) {
     return bytes;
 }
 
+/* Packs a group of 64 16-bit values (z16, widths ww; zero widths past the group's values, where
+ * z16 may be anything) at dst, exactly its ceil(bits / 8) bytes; returns them. No serial chain:
+ * values merge into pairs (32-bit lanes) and quads (64-bit lanes, <= 64 bits each) by variable
+ * shifts; quad i starts at bit O_i (a prefix sum) in 64-bit word k_i = O_i / 64, where its low
+ * part goes and its high part spills into word k_i + 1. Inside a word the parts occupy disjoint
+ * bits, so their OR is their sum, and a word's sum is the difference of running sums taken at
+ * the last quad of the word and of the word before (no word lacks a quad: a quad spans <= 64 bits,
+ * so consecutive quads' words differ by at most one). */
+AVX512_FN static int pack_group64_avx512(const uint16_t *z16, const uint8_t *ww, uint8_t *dst) {
+    const __m512i one16 = _mm512_set1_epi16(1), zero = _mm512_setzero_si512(), l7 = _mm512_set1_epi64(7);
+    const __m512i lo32 = _mm512_set1_epi32(0xFFFF), lo64 = _mm512_set1_epi64(0xFFFFFFFF), c63 = _mm512_set1_epi64(63);
+    __m512i Q[2], O[2], A[2], Bs[2], K[2];
+#define CIERA_SCAN8(x)                                              \
+    do {                                                           \
+        x = _mm512_add_epi64(x, _mm512_alignr_epi64(x, zero, 7)); \
+        x = _mm512_add_epi64(x, _mm512_alignr_epi64(x, zero, 6)); \
+        x = _mm512_add_epi64(x, _mm512_alignr_epi64(x, zero, 4)); \
+    } while (0)
+    for (int h = 0; h < 2; h++) {
+        __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(ww + 32 * h)));
+        __m512i z = _mm512_and_si512(_mm512_loadu_si512(z16 + 32 * h), _mm512_sub_epi16(_mm512_sllv_epi16(one16, w), one16));
+        __m512i wl = _mm512_and_si512(w, lo32);
+        __m512i p = _mm512_or_si512(_mm512_and_si512(z, lo32), _mm512_sllv_epi32(_mm512_srli_epi32(z, 16), wl));
+        __m512i pw = _mm512_add_epi32(wl, _mm512_srli_epi32(w, 16));
+        __m512i pwl = _mm512_and_si512(pw, lo64);
+        Q[h] = _mm512_or_si512(_mm512_and_si512(p, lo64), _mm512_sllv_epi64(_mm512_srli_epi64(p, 32), pwl));
+        O[h] = _mm512_add_epi64(pwl, _mm512_srli_epi64(pw, 32)); /* quad widths */
+    }
+    __m512i qw0 = O[0], qw1 = O[1];
+    CIERA_SCAN8(O[0]);
+    CIERA_SCAN8(O[1]);
+    O[1] = _mm512_add_epi64(O[1], _mm512_permutexvar_epi64(l7, O[0]));
+    const uint64_t bits = (uint64_t)_mm_extract_epi64(_mm512_extracti32x4_epi32(O[1], 3), 1);
+    O[0] = _mm512_sub_epi64(O[0], qw0); /* exclusive: each quad's first bit */
+    O[1] = _mm512_sub_epi64(O[1], qw1);
+    for (int h = 0; h < 2; h++) {
+        __m512i sh = _mm512_and_si512(O[h], c63);
+        K[h] = _mm512_srli_epi64(O[h], 6);
+        A[h] = _mm512_sllv_epi64(Q[h], sh);
+        Bs[h] = _mm512_srlv_epi64(_mm512_srli_epi64(Q[h], 1), _mm512_sub_epi64(c63, sh));
+        CIERA_SCAN8(A[h]);
+        CIERA_SCAN8(Bs[h]);
+    }
+#undef CIERA_SCAN8
+    A[1] = _mm512_add_epi64(A[1], _mm512_permutexvar_epi64(l7, A[0]));
+    Bs[1] = _mm512_add_epi64(Bs[1], _mm512_permutexvar_epi64(l7, Bs[0]));
+    /* the last quad of each word: its word differs from the next quad's (quad 15 is always last) */
+    const __mmask8 m0 = _mm512_cmpneq_epi64_mask(K[0], _mm512_alignr_epi64(K[1], K[0], 1));
+    const __mmask8 m1 = _mm512_cmpneq_epi64_mask(K[1], _mm512_alignr_epi64(_mm512_set1_epi64(-1), K[1], 1));
+    const int c0 = __builtin_popcount(m0), nw = c0 + __builtin_popcount(m1);
+    uint64_t sa[2 + 8 + 8 + 8], sb[2 + 8 + 8 + 8]; /* two zeros, then the running sums at word ends */
+    sa[0] = sa[1] = sb[0] = sb[1] = 0;
+    _mm512_storeu_si512(sa + 2, _mm512_maskz_compress_epi64(m0, A[0]));
+    _mm512_storeu_si512(sb + 2, _mm512_maskz_compress_epi64(m0, Bs[0]));
+    _mm512_storeu_si512(sa + 2 + c0, _mm512_maskz_compress_epi64(m1, A[1]));
+    _mm512_storeu_si512(sb + 2 + c0, _mm512_maskz_compress_epi64(m1, Bs[1]));
+    for (int j = nw; j < 18; j++) sa[2 + j] = sa[1 + nw], sb[2 + j] = sb[1 + nw]; /* words past the last: nothing more */
+    const int gb = (int)((bits + 7) >> 3);
+    for (int v = 0; v < 2; v++) { /* word j = (SA[j] - SA[j-1]) + (SB[j-1] - SB[j-2]) */
+        __m512i wv = _mm512_add_epi64(_mm512_sub_epi64(_mm512_loadu_si512(sa + 2 + 8 * v), _mm512_loadu_si512(sa + 1 + 8 * v)),
+                                      _mm512_sub_epi64(_mm512_loadu_si512(sb + 1 + 8 * v), _mm512_loadu_si512(sb + 8 * v)));
+        _mm512_mask_storeu_epi8(dst + 64 * v, lowmask64(gb - 64 * v), wv);
+    }
+    return gb;
+}
+
 /* delta_encode_block for 16-bit values on AVX-512 (same bytes, same contract): z, the new state
  * and the previous exponents 32 values per step; widths by byte permutes; the exceptions are the
  * set bits of one test against the width masks; each quad of values is one PEXT of their four
@@ -784,6 +850,9 @@ AVX512_FN static int64_t delta_encode_block16_avx512(const ciera_delta_layout *l
         uint8_t *p = base;
         uint64_t q[16];
         uint8_t qw[16];
+        if (G == 64)
+            for (int g0 = 0; g0 < valid; g0 += 64) p += pack_group64_avx512(z16 + g0, ww + g0, p);
+        else
         for (int g0 = 0; g0 < valid; g0 += G) {
             int nq = ((int)min64(G, valid - g0) + 3) / 4; /* G >= 8: quads never cross groups */
             for (int i = 0; i < nq; i++) {
