@@ -559,6 +559,30 @@ AVX512_FN static int64_t block_widths16_avx512(const delta_wctx *c, int M, int E
     return bytes;
 }
 
+/* Table-mode bytes of the groups of 64 of the `valid` previous 16-bit values at prev: the sizing
+ * pass of a threaded decode, in registers (exponents packed to bytes by one permute, widths by
+ * two, group bits by SAD). */
+AVX512_FN static int64_t block_bytes16_avx512(const delta_wctx *c, int M, int E, const uint16_t *prev, int valid) {
+    static const uint8_t even[64] = {0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                                     32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62,
+                                     64, 66, 68, 70, 72, 74, 76, 78, 80, 82, 84, 86, 88, 90, 92, 94,
+                                     96, 98, 100, 102, 104, 106, 108, 110, 112, 114, 116, 118, 120, 122, 124, 126};
+    const __m512i t0 = _mm512_loadu_si512(c->tab), t1 = _mm512_loadu_si512(c->tab + 64),
+                  t2 = _mm512_loadu_si512(c->tab + 128), t3 = _mm512_loadu_si512(c->tab + 192);
+    const __m512i ev = _mm512_loadu_si512(even), emask = _mm512_set1_epi16((short)((1 << E) - 1));
+    const __m128i sm = _mm_cvtsi32_si128(M);
+    int64_t bytes = 0;
+    for (int j = 0; j < valid; j += 64) {
+        __m512i a = _mm512_and_si512(_mm512_srl_epi16(_mm512_maskz_loadu_epi16((__mmask32)lowmask64(valid - j), prev + j), sm), emask);
+        __m512i b = _mm512_and_si512(_mm512_srl_epi16(_mm512_maskz_loadu_epi16((__mmask32)lowmask64(valid - j - 32), prev + j + 32), sm), emask);
+        __m512i e = _mm512_permutex2var_epi8(a, ev, b);
+        __m512i w = _mm512_mask_blend_epi8(_mm512_movepi8_mask(e), _mm512_permutex2var_epi8(t0, e, t1), _mm512_permutex2var_epi8(t2, e, t3));
+        w = _mm512_maskz_mov_epi8(lowmask64(valid - j), w);
+        bytes += (int64_t)(((uint64_t)_mm512_reduce_add_epi64(_mm512_sad_epu8(w, _mm512_setzero_si512())) + 7) >> 3);
+    }
+    return bytes;
+}
+
 /* The n <= 64 values of the 16-bit group at p (widths ww, read below n only) into zz[0, n) (and
  * zeros or garbage up to the next multiple of 16, which a later group overwrites); returns the
  * group's bytes. No serial chain: every value's bit offset is a prefix sum of the widths (two
@@ -1123,6 +1147,10 @@ ALWAYS_INLINE int64_t delta_block_size(const ciera_delta_layout *l, int W, int M
     uint64_t mark = C == 1 ? 0xFF : 0xFFFF;
     if (c == mark) return valid * S;
     if ((int64_t)c > valid) return CIERA_E_BAD_COUNT;
+#if CIERA_X86
+    if (W == 16 && wc->avx512 && l->group_size == 64)
+        return block_bytes16_avx512(wc, M, E, (const uint16_t *)target + b * l->block_size, (int)valid) + (int64_t)c * (I + S);
+#endif
     return delta_block_widths(l, W, M, E, wc, target, b, ww) + (int64_t)c * (I + S);
 }
 
