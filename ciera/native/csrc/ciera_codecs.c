@@ -545,6 +545,7 @@ AVX512_FN static int64_t block_widths16_avx512(const delta_wctx *c, int M, int E
     const __m512i emask = _mm512_set1_epi16((short)((1 << E) - 1));
     const __m128i sm = _mm_cvtsi32_si128(M);
     for (int j = 0; j < valid; j += 32) {
+        _mm_prefetch((const char *)(prev + j + 1024), _MM_HINT_T0); /* a hint: never faults */
         __m512i old = _mm512_maskz_loadu_epi16((__mmask32)lowmask64(valid - j), prev + j);
         _mm256_storeu_si256((__m256i *)(ee + j), _mm512_cvtepi16_epi8(_mm512_and_si512(_mm512_srl_epi16(old, sm), emask)));
     }
@@ -573,6 +574,8 @@ AVX512_FN static int64_t block_bytes16_avx512(const delta_wctx *c, int M, int E,
     const __m128i sm = _mm_cvtsi32_si128(M);
     int64_t bytes = 0;
     for (int j = 0; j < valid; j += 64) {
+        _mm_prefetch((const char *)(prev + j + 1024), _MM_HINT_T0);
+        _mm_prefetch((const char *)(prev + j + 1056), _MM_HINT_T0);
         __m512i a = _mm512_and_si512(_mm512_srl_epi16(_mm512_maskz_loadu_epi16((__mmask32)lowmask64(valid - j), prev + j), sm), emask);
         __m512i b = _mm512_and_si512(_mm512_srl_epi16(_mm512_maskz_loadu_epi16((__mmask32)lowmask64(valid - j - 32), prev + j + 32), sm), emask);
         __m512i e = _mm512_permutex2var_epi8(a, ev, b);
@@ -675,6 +678,10 @@ ALWAYS_INLINE void delta_hist_range(int W, int M, int E, const void *shard, cons
     uint16_t key[256];
     for (int64_t t0 = lo; t0 < hi; t0 += 256) {
         int cnt = (int)min64(256, hi - t0);
+        for (int q = 0; q < 256 * W / 8; q += 64) { /* hints, 1024 values ahead (never fault) */
+            __builtin_prefetch((const uint8_t *)shard + (t0 + 1024) * (W / 8) + q);
+            __builtin_prefetch((const uint8_t *)state + (t0 + 1024) * (W / 8) + q);
+        }
         for (int j = 0; j < cnt; j++) { /* vectorisable */
             uint32_t u_old = load_u(state, t0 + j, W);
             uint32_t z = zigzag_u(load_u(shard, t0 + j, W), u_old, W);
@@ -844,6 +851,8 @@ AVX512_FN static int64_t delta_encode_block16_avx512(const ciera_delta_layout *l
     const __m128i sm = _mm_cvtsi32_si128(M);
     for (int j = 0; j < valid; j += 32) { /* lanes past valid: 0 (masked loads) */
         const __mmask32 k = (__mmask32)lowmask64(valid - j);
+        _mm_prefetch((const char *)(state + v0 + j + 1024), _MM_HINT_T0); /* a hint: never faults */
+        _mm_prefetch((const char *)(shard + v0 + j + 1024), _MM_HINT_T0);
         __m512i old = _mm512_maskz_loadu_epi16(k, state + v0 + j), nw = _mm512_maskz_loadu_epi16(k, shard + v0 + j);
         _mm512_mask_storeu_epi16(state + v0 + j, k, nw);
         __m512i d = _mm512_sub_epi16(nw, old);
