@@ -157,6 +157,9 @@ ALWAYS_INLINE int64_t er_encode_range(const ciera_er_layout *l, int W, int M, in
     int64_t n_changed = 0;
     for (int64_t t0 = lo; t0 < hi; t0 += 64) {
         int cnt = (int)min64(64, hi - t0);
+        for (int q = 0; q < 64 * W / 8; q += 64) /* hints, 2048 values ahead (never fault) */
+            __builtin_prefetch((const uint8_t *)shard + (t0 + 2048) * (W / 8) + q);
+        __builtin_prefetch(state + t0 + 2048);
         uint8_t d[64];
         uint64_t planes[3] = {0, 0, 0};
         for (int j = 0; j < cnt; j++) {
@@ -318,6 +321,9 @@ ALWAYS_INLINE void er_decode_range(const ciera_er_layout *l, int W, int M, int E
     const uint8_t *sm_in = payload + l->off_signmant;
     for (int64_t t0 = lo; t0 < hi; t0 += 64) {
         int cnt = (int)min64(64, hi - t0);
+        for (int q = 0; q < 64 * W / 8; q += 64) /* hints, 2048 values ahead (never fault) */
+            __builtin_prefetch((const uint8_t *)target + (t0 + 2048) * (W / 8) + q);
+        __builtin_prefetch(sm_in + (t0 + 2048) * SMB);
         uint64_t planes[3] = {0, 0, 0};
         for (int p = 0; p < NP; p++) {
             const uint8_t *src = payload + l->off_planes + p * l->plane_bytes + t0 / 8;
