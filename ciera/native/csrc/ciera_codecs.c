@@ -30,7 +30,10 @@
 
 /* Hot loops get x86-64-v4 (AVX-512) and x86-64-v3 (AVX2, BMI2: one-uop variable shifts) clones
  * next to the baseline one, the widest the CPU has picked at load time (GNU ifunc), so one build
- * runs everywhere and vectorises where the CPU can (the same C source in every clone). delta's byte gathers also have explicit AVX2 paths, chosen per call (delta_wctx). */
+ * runs everywhere and vectorises where the CPU can (the same C source in every clone). delta's
+ * byte gathers also have explicit AVX2 paths, and its 16-bit blocks explicit AVX-512 (VBMI,
+ * VBMI2) ones, chosen per call (delta_wctx; CIERA_NATIVE_AVX2=0 / CIERA_NATIVE_AVX512=0 narrow
+ * the choice). */
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__) && !defined(CIERA_NO_CLONES)
 #define HOT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
