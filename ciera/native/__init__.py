@@ -31,6 +31,13 @@ Why C11 + OpenMP behind ctypes, built by ``setup.py``:
   Speeds, the peers and the verdict per target are in BENCHMARKS.md (``make bench-codec``).
 * delta's bit packing works a word at a time: values are merged into <= 64-bit chunks (pairs and
   quads) in independent loops, and only one shift-or per chunk stays serial; decoding mirrors it.
+* delta on 16-bit values (bf16, fp16) has explicit AVX-512 paths (F, BW, VL, VBMI, VBMI2 + BMI2:
+  Ice Lake and later, Zen 4), chosen per call where the CPU has them (``CIERA_NATIVE_AVX512=0``
+  keeps the AVX2 ones): width lookups are 64 byte permutes at a time; a group of 64 values packs
+  with no serial chain (pairs and quads by variable shifts, each 64-bit output word the difference
+  of running sums taken at its last quad) and unpacks by prefix-summed bit offsets and one byte
+  permute per 16 values; a threaded decode sizes its blocks in registers. The three paths
+  (portable, AVX2, AVX-512) are tested against the reference on every CPU that has them.
 
 ``CIERA_NATIVE=0`` in the environment disables the library (the references run).
 """

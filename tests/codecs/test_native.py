@@ -241,34 +241,39 @@ def test_bytes_do_not_depend_on_threads(name, dtype, threads):
 
 
 def _assert_native_equals_reference(ref, nat, x, steps, *, fill, thread_counts, threads, monkeypatch):
-    """For each step ``y`` from ``x``: the native codec, on the portable and the AVX2 path at each
-    thread count, writes the reference's payload bytes (out pre-filled with ``fill``) and state,
-    and decodes the reference's payload to ``y``'s bits."""
+    """For each step ``y`` from ``x``: the native codec, on the portable, the AVX2 and the AVX-512
+    path (where the CPU has them; otherwise the widest it has) at each thread count, writes the
+    reference's payload bytes (out pre-filled with ``fill``) and state, and decodes the reference's
+    payload to ``y``'s bits."""
     n, cap = x.numel(), ref.clamp_capacity(ref.max_bytes)
     for y in steps:
         want, want_state = torch.full((cap,), fill, dtype=torch.uint8), ref.new_state(shard=x)
         ref.encode(shard=y, state=want_state, out=want)
-        for avx2 in ("0", "1"):
+        for avx2, avx512 in (("0", "0"), ("1", "0"), ("1", "1")):
             monkeypatch.setenv("CIERA_NATIVE_AVX2", avx2)
+            monkeypatch.setenv("CIERA_NATIVE_AVX512", avx512)
             for k in thread_counts:
                 threads(k)
                 got, state = torch.full((cap,), fill, dtype=torch.uint8), nat.new_state(shard=x)
                 nat.encode(shard=y, state=state, out=got)
-                assert torch.equal(got, want) and torch.equal(state, want_state), (n, avx2, k)
+                assert torch.equal(got, want) and torch.equal(state, want_state), (n, avx2, avx512, k)
                 target = x.clone()
                 nat.decode(payload=want, target=target)
-                assert torch.equal(as_bits(target), as_bits(y)), (n, avx2, k)
+                assert torch.equal(as_bits(target), as_bits(y)), (n, avx2, avx512, k)
 
 
 @pytest.mark.parametrize("name", NATIVE_CODECS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_portable_and_avx2_paths_equal_the_reference(name, dtype, threads, monkeypatch):
-    """The C library has AVX2 (+BMI2) paths next to portable ones (width lookups, exception masks);
-    ``CIERA_NATIVE_AVX2=0`` forces the portable ones (read on every call). Both give the
+    """The C library has AVX2 (+BMI2) and, for delta's 16-bit values, AVX-512 (VBMI, VBMI2) paths
+    next to portable ones (width lookups, exception masks, group packing and unpacking);
+    ``CIERA_NATIVE_AVX2=0`` forces the portable ones and ``CIERA_NATIVE_AVX512=0`` the AVX2 ones
+    (read on every call). All give the
     reference's bytes, state and decoded bits on a trajectory step and on adversarial steps, at
     sizes with partial blocks and groups, at 1 and 3 threads (section 1 runs every case with the
     default path only)."""
-    for n, block in ((70_001, None), (1_037, None), (515, 8 if name == "exponent_reuse" else 16)):
+    for n, block in ((70_001, None), (1_037, None), (515, 8 if name == "exponent_reuse" else 16),
+                     (4_099, 16 if name == "exponent_reuse" else 1024)):  # delta: 2-byte counts and indices
         tr = AdamTrajectory(numel=n, dtype=dtype, lr=3e-4, seed=5)
         x = tr.step()
         steps = [tr.step()] + [adversarial_step(x, kind=k, gen=torch.Generator().manual_seed(n))

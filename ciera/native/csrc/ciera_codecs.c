@@ -30,7 +30,10 @@
 
 /* Hot loops get x86-64-v4 (AVX-512) and x86-64-v3 (AVX2, BMI2: one-uop variable shifts) clones
  * next to the baseline one, the widest the CPU has picked at load time (GNU ifunc), so one build
- * runs everywhere and vectorises where the CPU can (the same C source in every clone). delta's byte gathers also have explicit AVX2 paths, chosen per call (delta_wctx). */
+ * runs everywhere and vectorises where the CPU can (the same C source in every clone). delta's
+ * byte gathers also have explicit AVX2 paths, and its 16-bit blocks explicit AVX-512 (VBMI,
+ * VBMI2) ones, chosen per call (delta_wctx; CIERA_NATIVE_AVX2=0 / CIERA_NATIVE_AVX512=0 narrow
+ * the choice). */
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__) && !defined(CIERA_NO_CLONES)
 #define HOT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
@@ -157,6 +160,9 @@ ALWAYS_INLINE int64_t er_encode_range(const ciera_er_layout *l, int W, int M, in
     int64_t n_changed = 0;
     for (int64_t t0 = lo; t0 < hi; t0 += 64) {
         int cnt = (int)min64(64, hi - t0);
+        for (int q = 0; q < 64 * W / 8; q += 64) /* hints, 2048 values ahead (never fault) */
+            __builtin_prefetch((const uint8_t *)shard + (t0 + 2048) * (W / 8) + q);
+        __builtin_prefetch(state + t0 + 2048);
         uint8_t d[64];
         uint64_t planes[3] = {0, 0, 0};
         for (int j = 0; j < cnt; j++) {
@@ -318,6 +324,9 @@ ALWAYS_INLINE void er_decode_range(const ciera_er_layout *l, int W, int M, int E
     const uint8_t *sm_in = payload + l->off_signmant;
     for (int64_t t0 = lo; t0 < hi; t0 += 64) {
         int cnt = (int)min64(64, hi - t0);
+        for (int q = 0; q < 64 * W / 8; q += 64) /* hints, 2048 values ahead (never fault) */
+            __builtin_prefetch((const uint8_t *)target + (t0 + 2048) * (W / 8) + q);
+        __builtin_prefetch(sm_in + (t0 + 2048) * SMB);
         uint64_t planes[3] = {0, 0, 0};
         for (int p = 0; p < NP; p++) {
             const uint8_t *src = payload + l->off_planes + p * l->plane_bytes + t0 / 8;
@@ -430,6 +439,8 @@ typedef struct {
     const uint8_t *table; /* 2^E widths */
     uint32_t rows;        /* bit h: table[16h .. 16h+15] holds a nonzero width */
     int avx2;             /* AVX2 + BMI2 paths (checked on this CPU once per call) */
+    int avx512;           /* AVX-512 (F, BW, VL, VBMI) + BMI2 paths: implies avx2 */
+    uint8_t tab[256];     /* the table, zero padded to 256 entries (whole-vector loads) */
 } delta_wctx;
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(CIERA_NO_CLONES)
@@ -443,16 +454,28 @@ static int cpu_avx2(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi2");
 }
+/* CIERA_NATIVE_AVX512=0 keeps the AVX2 paths (the tests compare all three). */
+static int cpu_avx512(void) {
+    const char *env = getenv("CIERA_NATIVE_AVX512");
+    if ((env && env[0] == '0') || !cpu_avx2()) return 0;
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi");
+}
 #else
 #define CIERA_X86 0
 static int cpu_avx2(void) { return 0; }
+static int cpu_avx512(void) { return 0; }
 #endif
 
-static delta_wctx delta_wctx_of(const uint8_t *table, int E) {
-    delta_wctx c = {table, 0, cpu_avx2()};
+static void delta_wctx_init(delta_wctx *c, const uint8_t *table, int E) {
+    c->table = table;
+    c->rows = 0;
+    c->avx2 = cpu_avx2();
+    c->avx512 = c->avx2 && cpu_avx512();
+    memset(c->tab, 0, sizeof c->tab);
+    memcpy(c->tab, table, (size_t)1 << E);
     for (int i = 0; i < (1 << E); i++)
-        if (table[i]) c.rows |= 1u << (i >> 4);
-    return c;
+        if (table[i]) c->rows |= 1u << (i >> 4);
 }
 
 #if CIERA_X86
@@ -485,6 +508,134 @@ AVX2_FN static int exceptions_avx2(const uint32_t *zz, const uint32_t *zm, int n
     }
     return k;
 }
+
+/* Sum of each 64-value group's widths, as bytes (groups byte aligned); ww is zero from n up to
+ * the next multiple of 64. */
+AVX2_FN static int64_t group_bytes64_avx2(const uint8_t *ww, int n) {
+    int64_t bytes = 0;
+    const __m256i zero = _mm256_setzero_si256();
+    for (int g0 = 0; g0 < n; g0 += 64) {
+        __m256i s = _mm256_add_epi64(_mm256_sad_epu8(_mm256_loadu_si256((const __m256i *)(ww + g0)), zero),
+                                     _mm256_sad_epu8(_mm256_loadu_si256((const __m256i *)(ww + g0 + 32)), zero));
+        __m128i t = _mm_add_epi64(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        uint64_t bits = (uint64_t)_mm_cvtsi128_si64(t) + (uint64_t)_mm_extract_epi64(t, 1);
+        bytes += (int64_t)((bits + 7) / 8);
+    }
+    return bytes;
+}
+#endif
+
+/* Bits [0, k) set, for any k >= 0 (BZHI reads only the index's low byte). */
+ALWAYS_INLINE uint64_t lowmask64(int64_t k) { return k >= 64 ? ~0ull : k <= 0 ? 0 : ((1ull << k) - 1); }
+
+#if CIERA_X86
+#define AVX512_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx2,bmi,bmi2,popcnt")))
+/* Width lookups on AVX-512 VBMI: the 256-entry table is four registers, looked up 64 indices at a
+ * time with two two-register byte permutes (index bits 0-6) and a blend on bit 7. ww gets zeros
+ * from n up to the next multiple of 64 (it is written that far); idx is read only below n. */
+AVX512_FN static void widths_avx512(const delta_wctx *c, const uint8_t *idx, uint8_t *ww, int n) {
+    const __m512i t0 = _mm512_loadu_si512(c->tab), t1 = _mm512_loadu_si512(c->tab + 64),
+                  t2 = _mm512_loadu_si512(c->tab + 128), t3 = _mm512_loadu_si512(c->tab + 192);
+    for (int i = 0; i < n; i += 64) {
+        __mmask64 k = lowmask64(n - i);
+        __m512i v = _mm512_maskz_loadu_epi8(k, idx + i);
+        __m512i lo = _mm512_permutex2var_epi8(t0, v, t1), hi = _mm512_permutex2var_epi8(t2, v, t3);
+        __m512i r = _mm512_mask_blend_epi8(_mm512_movepi8_mask(v), lo, hi);
+        _mm512_storeu_si512(ww + i, _mm512_maskz_mov_epi8(k, r));
+    }
+}
+
+/* Widths of the `valid` previous 16-bit values at prev (exponent field at bit M, E bits) into ww
+ * (zero up to the next multiple of 64; ww holds DELTA_MAX_BLOCK + 128 bytes); returns the
+ * table-mode bytes of its groups of G values. */
+AVX512_FN static int64_t block_widths16_avx512(const delta_wctx *c, int M, int E, const uint16_t *prev, int valid,
+                                               int G, uint8_t *ww) {
+    uint8_t ee[DELTA_MAX_BLOCK + 64];
+    const __m512i emask = _mm512_set1_epi16((short)((1 << E) - 1));
+    const __m128i sm = _mm_cvtsi32_si128(M);
+    for (int j = 0; j < valid; j += 32) {
+        _mm_prefetch((const char *)(prev + j + 1024), _MM_HINT_T0); /* a hint: never faults */
+        __m512i old = _mm512_maskz_loadu_epi16((__mmask32)lowmask64(valid - j), prev + j);
+        _mm256_storeu_si256((__m256i *)(ee + j), _mm512_cvtepi16_epi8(_mm512_and_si512(_mm512_srl_epi16(old, sm), emask)));
+    }
+    widths_avx512(c, ee, ww, valid);
+    if (G == 64) return group_bytes64_avx2(ww, valid);
+    int64_t bytes = 0;
+    for (int g0 = 0; g0 < valid; g0 += G) {
+        uint32_t gbits = 0;
+        for (int j = g0; j < g0 + G; j++) gbits += ww[j]; /* zero past valid */
+        bytes += (gbits + 7) / 8;
+    }
+    return bytes;
+}
+
+/* Table-mode bytes of the groups of 64 of the `valid` previous 16-bit values at prev: the sizing
+ * pass of a threaded decode, in registers (exponents packed to bytes by one permute, widths by
+ * two, group bits by SAD). */
+AVX512_FN static int64_t block_bytes16_avx512(const delta_wctx *c, int M, int E, const uint16_t *prev, int valid) {
+    static const uint8_t even[64] = {0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                                     32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62,
+                                     64, 66, 68, 70, 72, 74, 76, 78, 80, 82, 84, 86, 88, 90, 92, 94,
+                                     96, 98, 100, 102, 104, 106, 108, 110, 112, 114, 116, 118, 120, 122, 124, 126};
+    const __m512i t0 = _mm512_loadu_si512(c->tab), t1 = _mm512_loadu_si512(c->tab + 64),
+                  t2 = _mm512_loadu_si512(c->tab + 128), t3 = _mm512_loadu_si512(c->tab + 192);
+    const __m512i ev = _mm512_loadu_si512(even), emask = _mm512_set1_epi16((short)((1 << E) - 1));
+    const __m128i sm = _mm_cvtsi32_si128(M);
+    int64_t bytes = 0;
+    for (int j = 0; j < valid; j += 64) {
+        _mm_prefetch((const char *)(prev + j + 1024), _MM_HINT_T0);
+        _mm_prefetch((const char *)(prev + j + 1056), _MM_HINT_T0);
+        __m512i a = _mm512_and_si512(_mm512_srl_epi16(_mm512_maskz_loadu_epi16((__mmask32)lowmask64(valid - j), prev + j), sm), emask);
+        __m512i b = _mm512_and_si512(_mm512_srl_epi16(_mm512_maskz_loadu_epi16((__mmask32)lowmask64(valid - j - 32), prev + j + 32), sm), emask);
+        __m512i e = _mm512_permutex2var_epi8(a, ev, b);
+        __m512i w = _mm512_mask_blend_epi8(_mm512_movepi8_mask(e), _mm512_permutex2var_epi8(t0, e, t1), _mm512_permutex2var_epi8(t2, e, t3));
+        w = _mm512_maskz_mov_epi8(lowmask64(valid - j), w);
+        bytes += (int64_t)(((uint64_t)_mm512_reduce_add_epi64(_mm512_sad_epu8(w, _mm512_setzero_si512())) + 7) >> 3);
+    }
+    return bytes;
+}
+
+/* The n <= 64 values of the 16-bit group at p (widths ww, read below n only) into zz[0, n) (and
+ * zeros or garbage up to the next multiple of 16, which a later group overwrites); returns the
+ * group's bytes. No serial chain: every value's bit offset is a prefix sum of the widths (two
+ * 32-lane scans), its three bytes (a value spans <= 16 + 7 bits) come out of the group's <= 128
+ * bytes (loaded with a mask: never past the group) by one two-register byte permute per 16
+ * values, then a shift and a mask. */
+AVX512_FN static int unpack_group16_avx512(const uint8_t *p, const uint8_t *ww, int n, uint32_t *zz) {
+    static const uint16_t iota[32] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15,
+                                      16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
+    const __m512i w8 = _mm512_maskz_loadu_epi8(lowmask64(n), ww);
+    const int gb = (int)((_mm512_reduce_add_epi64(_mm512_sad_epu8(w8, _mm512_setzero_si512())) + 7) >> 3);
+    const __m512i lo = _mm512_maskz_loadu_epi8(lowmask64(gb), p), hi = _mm512_maskz_loadu_epi8(lowmask64(gb - 64), p + 64);
+    const __m512i wa = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(w8)), wb = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(w8, 1));
+    const __m512i io = _mm512_loadu_si512(iota);
+    __m512i a = wa, b = wb;
+    for (int s = 1; s < 32; s *= 2) {
+        const __m512i idx = _mm512_sub_epi16(io, _mm512_set1_epi16((short)s));
+        const __mmask32 km = (__mmask32)(0xFFFFFFFFu << s);
+        a = _mm512_add_epi16(a, _mm512_maskz_permutexvar_epi16(km, idx, a));
+        b = _mm512_add_epi16(b, _mm512_maskz_permutexvar_epi16(km, idx, b));
+    }
+    b = _mm512_add_epi16(b, _mm512_permutexvar_epi16(_mm512_set1_epi16(31), a));
+    a = _mm512_sub_epi16(a, wa); /* exclusive: bit offset of each value */
+    b = _mm512_sub_epi16(b, wb);
+    const __m512i bcast = _mm512_set_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0, 0x0C0C0C0C, 0x08080808, 0x04040404, 0,
+                                           0x0C0C0C0C, 0x08080808, 0x04040404, 0, 0x0C0C0C0C, 0x08080808, 0x04040404, 0);
+    const __m512i seq = _mm512_set1_epi32(0x03020100), seven = _mm512_set1_epi32(7), one = _mm512_set1_epi32(1);
+#define CIERA_Q(t, off16, w128)                                                                           \
+    if (16 * (t) < n) {                                                                                   \
+        __m512i o = _mm512_cvtepu16_epi32(off16), w = _mm512_cvtepu8_epi32(w128);                         \
+        __m512i ix = _mm512_add_epi8(_mm512_shuffle_epi8(_mm512_srli_epi32(o, 3), bcast), seq);         \
+        __m512i v = _mm512_srlv_epi32(_mm512_permutex2var_epi8(lo, ix, hi), _mm512_and_si512(o, seven)); \
+        _mm512_storeu_si512(zz + 16 * (t), _mm512_and_si512(v, _mm512_sub_epi32(_mm512_sllv_epi32(one, w), one))); \
+    }
+    CIERA_Q(0, _mm512_castsi512_si256(a), _mm512_castsi512_si128(w8))
+    CIERA_Q(1, _mm512_extracti64x4_epi64(a, 1), _mm512_extracti32x4_epi32(w8, 1))
+    CIERA_Q(2, _mm512_castsi512_si256(b), _mm512_extracti32x4_epi32(w8, 2))
+    CIERA_Q(3, _mm512_extracti64x4_epi64(b, 1), _mm512_extracti32x4_epi32(w8, 3))
+#undef CIERA_Q
+    return gb;
+}
 #endif
 
 ALWAYS_INLINE void delta_widths(const delta_wctx *c, const uint8_t *idx, uint8_t *ww, int n) {
@@ -509,8 +660,14 @@ ALWAYS_INLINE int delta_exceptions(const delta_wctx *c, const uint32_t *zz, cons
     return k;
 }
 
-/* Bytes of the groups of G values over ww[0, n): each group is byte aligned. */
-ALWAYS_INLINE int64_t delta_group_bytes(const uint8_t *ww, int n, int G) {
+/* Bytes of the groups of G values over ww[0, n): each group is byte aligned. ww is zero from n
+ * up to the next multiple of 64. */
+ALWAYS_INLINE int64_t delta_group_bytes(const delta_wctx *c, const uint8_t *ww, int n, int G) {
+#if CIERA_X86
+    if (c->avx2 && G == 64) return group_bytes64_avx2(ww, n);
+#else
+    (void)c;
+#endif
     int64_t bytes = 0;
     for (int g0 = 0; g0 < n; g0 += G) {
         int g1 = g0 + G < n ? g0 + G : n;
@@ -530,6 +687,10 @@ ALWAYS_INLINE void delta_hist_range(int W, int M, int E, const void *shard, cons
     uint16_t key[256];
     for (int64_t t0 = lo; t0 < hi; t0 += 256) {
         int cnt = (int)min64(256, hi - t0);
+        for (int q = 0; q < 256 * W / 8; q += 64) { /* hints, 1024 values ahead (never fault) */
+            __builtin_prefetch((const uint8_t *)shard + (t0 + 1024) * (W / 8) + q);
+            __builtin_prefetch((const uint8_t *)state + (t0 + 1024) * (W / 8) + q);
+        }
         for (int j = 0; j < cnt; j++) { /* vectorisable */
             uint32_t u_old = load_u(state, t0 + j, W);
             uint32_t z = zigzag_u(load_u(shard, t0 + j, W), u_old, W);
@@ -602,6 +763,193 @@ ALWAYS_INLINE uint8_t *pack_group(int W, const uint32_t *zm, const uint8_t *ww, 
     return pack_stream(q, qw, nq, dst);
 }
 
+#if CIERA_X86
+/* Table-mode bytes of groups of G < 64 values over ww (zero past n up to a multiple of 64). */
+ALWAYS_INLINE int64_t group_bytes_small(const uint8_t *ww, int n, int G) {
+    int64_t bytes = 0;
+    for (int g0 = 0; g0 < n; g0 += G) {
+        uint32_t gbits = 0;
+        for (int j = g0; j < g0 + G; j++) gbits += ww[j];
+        bytes += (gbits + 7) / 8;
+    }
+    return bytes;
+}
+
+/* Packs a group of 64 16-bit values (z16, widths ww; zero widths past the group's values, where
+ * z16 may be anything) at dst, exactly its ceil(bits / 8) bytes; returns them. No serial chain:
+ * values merge into pairs (32-bit lanes) and quads (64-bit lanes, <= 64 bits each) by variable
+ * shifts; quad i starts at bit O_i (a prefix sum) in 64-bit word k_i = O_i / 64, where its low
+ * part goes and its high part spills into word k_i + 1. Inside a word the parts occupy disjoint
+ * bits, so their OR is their sum, and a word's sum is the difference of running sums taken at
+ * the last quad of the word and of the word before (no word lacks a quad: a quad spans <= 64 bits,
+ * so consecutive quads' words differ by at most one). */
+AVX512_FN static int pack_group64_avx512(const uint16_t *z16, const uint8_t *ww, uint8_t *dst) {
+    const __m512i one16 = _mm512_set1_epi16(1), zero = _mm512_setzero_si512(), l7 = _mm512_set1_epi64(7);
+    const __m512i lo32 = _mm512_set1_epi32(0xFFFF), lo64 = _mm512_set1_epi64(0xFFFFFFFF), c63 = _mm512_set1_epi64(63);
+    __m512i Q[2], O[2], A[2], Bs[2], K[2];
+#define CIERA_SCAN8(x)                                              \
+    do {                                                           \
+        x = _mm512_add_epi64(x, _mm512_alignr_epi64(x, zero, 7)); \
+        x = _mm512_add_epi64(x, _mm512_alignr_epi64(x, zero, 6)); \
+        x = _mm512_add_epi64(x, _mm512_alignr_epi64(x, zero, 4)); \
+    } while (0)
+    for (int h = 0; h < 2; h++) {
+        __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(ww + 32 * h)));
+        __m512i z = _mm512_and_si512(_mm512_loadu_si512(z16 + 32 * h), _mm512_sub_epi16(_mm512_sllv_epi16(one16, w), one16));
+        __m512i wl = _mm512_and_si512(w, lo32);
+        __m512i p = _mm512_or_si512(_mm512_and_si512(z, lo32), _mm512_sllv_epi32(_mm512_srli_epi32(z, 16), wl));
+        __m512i pw = _mm512_add_epi32(wl, _mm512_srli_epi32(w, 16));
+        __m512i pwl = _mm512_and_si512(pw, lo64);
+        Q[h] = _mm512_or_si512(_mm512_and_si512(p, lo64), _mm512_sllv_epi64(_mm512_srli_epi64(p, 32), pwl));
+        O[h] = _mm512_add_epi64(pwl, _mm512_srli_epi64(pw, 32)); /* quad widths */
+    }
+    __m512i qw0 = O[0], qw1 = O[1];
+    CIERA_SCAN8(O[0]);
+    CIERA_SCAN8(O[1]);
+    O[1] = _mm512_add_epi64(O[1], _mm512_permutexvar_epi64(l7, O[0]));
+    const uint64_t bits = (uint64_t)_mm_extract_epi64(_mm512_extracti32x4_epi32(O[1], 3), 1);
+    O[0] = _mm512_sub_epi64(O[0], qw0); /* exclusive: each quad's first bit */
+    O[1] = _mm512_sub_epi64(O[1], qw1);
+    for (int h = 0; h < 2; h++) {
+        __m512i sh = _mm512_and_si512(O[h], c63);
+        K[h] = _mm512_srli_epi64(O[h], 6);
+        A[h] = _mm512_sllv_epi64(Q[h], sh);
+        Bs[h] = _mm512_srlv_epi64(_mm512_srli_epi64(Q[h], 1), _mm512_sub_epi64(c63, sh));
+        CIERA_SCAN8(A[h]);
+        CIERA_SCAN8(Bs[h]);
+    }
+#undef CIERA_SCAN8
+    A[1] = _mm512_add_epi64(A[1], _mm512_permutexvar_epi64(l7, A[0]));
+    Bs[1] = _mm512_add_epi64(Bs[1], _mm512_permutexvar_epi64(l7, Bs[0]));
+    /* the last quad of each word: its word differs from the next quad's (quad 15 is always last) */
+    const __mmask8 m0 = _mm512_cmpneq_epi64_mask(K[0], _mm512_alignr_epi64(K[1], K[0], 1));
+    const __mmask8 m1 = _mm512_cmpneq_epi64_mask(K[1], _mm512_alignr_epi64(_mm512_set1_epi64(-1), K[1], 1));
+    const int c0 = __builtin_popcount(m0), nw = c0 + __builtin_popcount(m1);
+    uint64_t sa[2 + 8 + 8 + 8], sb[2 + 8 + 8 + 8]; /* two zeros, then the running sums at word ends */
+    sa[0] = sa[1] = sb[0] = sb[1] = 0;
+    _mm512_storeu_si512(sa + 2, _mm512_maskz_compress_epi64(m0, A[0]));
+    _mm512_storeu_si512(sb + 2, _mm512_maskz_compress_epi64(m0, Bs[0]));
+    _mm512_storeu_si512(sa + 2 + c0, _mm512_maskz_compress_epi64(m1, A[1]));
+    _mm512_storeu_si512(sb + 2 + c0, _mm512_maskz_compress_epi64(m1, Bs[1]));
+    for (int j = nw; j < 18; j++) sa[2 + j] = sa[1 + nw], sb[2 + j] = sb[1 + nw]; /* words past the last: nothing more */
+    const int gb = (int)((bits + 7) >> 3);
+    for (int v = 0; v < 2; v++) { /* word j = (SA[j] - SA[j-1]) + (SB[j-1] - SB[j-2]) */
+        __m512i wv = _mm512_add_epi64(_mm512_sub_epi64(_mm512_loadu_si512(sa + 2 + 8 * v), _mm512_loadu_si512(sa + 1 + 8 * v)),
+                                      _mm512_sub_epi64(_mm512_loadu_si512(sb + 1 + 8 * v), _mm512_loadu_si512(sb + 8 * v)));
+        _mm512_mask_storeu_epi8(dst + 64 * v, lowmask64(gb - 64 * v), wv);
+    }
+    return gb;
+}
+
+/* delta_encode_block for 16-bit values on AVX-512 (same bytes, same contract): z, the new state
+ * and the previous exponents 32 values per step; widths by byte permutes; the exceptions are the
+ * set bits of one test against the width masks; each quad of values is one PEXT of their four
+ * 16-bit z under their four width masks (the same LSB-first concatenation), appended by
+ * pack_stream. */
+AVX512_FN static int64_t delta_encode_block16_avx512(const ciera_delta_layout *l, int M, int E, const delta_wctx *wc,
+                                                     const uint16_t *shard, uint16_t *state, uint8_t *counts, int64_t b,
+                                                     uint8_t *dst, int64_t room) {
+    const int64_t B = l->block_size, n = l->numel;
+    const int G = (int)l->group_size, I = (int)l->index_bytes, C = (int)l->count_bytes;
+    const int64_t v0 = b * B;
+    const int valid = (int)min64(B, n - v0);
+    uint16_t z16[DELTA_MAX_BLOCK + 64], m16[DELTA_MAX_BLOCK + 64];
+    uint8_t ee[DELTA_MAX_BLOCK + 64], ww[DELTA_MAX_BLOCK + 128];
+    uint16_t exc[DELTA_MAX_BLOCK];
+    const __m512i emask = _mm512_set1_epi16((short)((1 << E) - 1)), one = _mm512_set1_epi16(1);
+    const __m128i sm = _mm_cvtsi32_si128(M);
+    for (int j = 0; j < valid; j += 32) { /* lanes past valid: 0 (masked loads) */
+        const __mmask32 k = (__mmask32)lowmask64(valid - j);
+        _mm_prefetch((const char *)(state + v0 + j + 1024), _MM_HINT_T0); /* a hint: never faults */
+        _mm_prefetch((const char *)(shard + v0 + j + 1024), _MM_HINT_T0);
+        __m512i old = _mm512_maskz_loadu_epi16(k, state + v0 + j), nw = _mm512_maskz_loadu_epi16(k, shard + v0 + j);
+        _mm512_mask_storeu_epi16(state + v0 + j, k, nw);
+        __m512i d = _mm512_sub_epi16(nw, old);
+        _mm512_storeu_si512(z16 + j, _mm512_xor_si512(_mm512_slli_epi16(d, 1), _mm512_srai_epi16(d, 15)));
+        _mm256_storeu_si256((__m256i *)(ee + j), _mm512_cvtepi16_epi8(_mm512_and_si512(_mm512_srl_epi16(old, sm), emask)));
+    }
+    widths_avx512(wc, ee, ww, valid);
+    int n_exc = 0;
+    for (int j = 0; j < valid; j += 32) {
+        __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(ww + j)));
+        __m512i m = _mm512_sub_epi16(_mm512_sllv_epi16(one, w), one); /* w = 16: 0 - 1, all ones */
+        _mm512_storeu_si512(m16 + j, m);
+        uint32_t x = _mm512_test_epi16_mask(_mm512_loadu_si512(z16 + j), _mm512_ternarylogic_epi32(m, m, m, 0x55));
+        for (; x; x &= x - 1) exc[n_exc++] = (uint16_t)(j + __builtin_ctz(x));
+    }
+    int64_t bytes = G == 64 ? group_bytes64_avx2(ww, valid) : group_bytes_small(ww, valid, G);
+    int64_t table_size = bytes + (int64_t)n_exc * (I + 2), raw_size = (int64_t)valid * 2;
+    int raw = table_size > raw_size;
+    int64_t size = raw ? raw_size : table_size;
+    store_le(counts + b * C, raw ? (C == 1 ? 0xFF : 0xFFFF) : (uint64_t)n_exc, C);
+    if (size > room) return size;
+    uint8_t tmp[DELTA_MAX_BLOCK * 2 + 16], saved[8] = {0};
+    uint8_t *base = size + 8 <= room ? dst : tmp;
+    if (base == dst) memcpy(saved, dst + size, 8);
+    if (raw) {
+        memcpy(base, z16, (size_t)valid * 2); /* little endian */
+    } else {
+        uint8_t *p = base;
+        uint64_t q[16];
+        uint8_t qw[16];
+        if (G == 64)
+            for (int g0 = 0; g0 < valid; g0 += 64) p += pack_group64_avx512(z16 + g0, ww + g0, p);
+        else
+        for (int g0 = 0; g0 < valid; g0 += G) {
+            int nq = ((int)min64(G, valid - g0) + 3) / 4; /* G >= 8: quads never cross groups */
+            for (int i = 0; i < nq; i++) {
+                uint64_t mk = load64((const uint8_t *)(m16 + g0 + 4 * i));
+                q[i] = _pext_u64(load64((const uint8_t *)(z16 + g0 + 4 * i)), mk);
+                qw[i] = (uint8_t)__builtin_popcountll(mk);
+            }
+            p = pack_stream(q, qw, nq, p);
+        }
+        uint8_t *hi_p = p + (int64_t)n_exc * I;
+        for (int r = 0; r < n_exc; r++) {
+            int j = exc[r];
+            store_le(p + (int64_t)r * I, (uint64_t)j, I);
+            store_le(hi_p + (int64_t)r * 2, (uint64_t)(z16[j] >> ww[j]), 2);
+        }
+    }
+    if (base == tmp) memcpy(dst, tmp, (size_t)size);
+    else memcpy(dst + size, saved, 8);
+    return size;
+}
+
+/* Decodes table-mode block b (c exceptions, its data at pos) of 16-bit values on AVX-512 into
+ * target; returns the block's end, or a negative error code. Same checks as delta_decode_chunk. */
+AVX512_FN static int64_t delta_decode_block16_avx512(const ciera_delta_layout *l, int M, int E, const delta_wctx *wc,
+                                                     const uint8_t *payload, int64_t length, uint16_t *target, int64_t b,
+                                                     int c, int64_t pos) {
+    const int64_t B = l->block_size, n = l->numel;
+    const int G = (int)l->group_size, I = (int)l->index_bytes;
+    const int64_t v0 = b * B;
+    const int valid = (int)min64(B, n - v0);
+    uint8_t ww[DELTA_MAX_BLOCK + 128];
+    uint32_t zz[DELTA_MAX_BLOCK + 64];
+    int64_t gbytes = block_widths16_avx512(wc, M, E, target + v0, valid, G, ww);
+    int64_t end = pos + gbytes + (int64_t)c * (I + 2);
+    if (end > length) return CIERA_E_TRUNCATED;
+    const uint8_t *p = payload + pos; /* every group lies inside [pos, end) */
+    for (int g0 = 0; g0 < valid; g0 += G) p += unpack_group16_avx512(p, ww + g0, (int)min64(G, valid - g0), zz + g0);
+    const uint8_t *hi_p = p + (int64_t)c * I;
+    for (int r = 0; r < c; r++) {
+        int64_t j = (int64_t)load_le(p + (int64_t)r * I, I);
+        if (j >= valid) return CIERA_E_BAD_INDEX;
+        zz[j] |= (uint32_t)(load_le(hi_p + (int64_t)r * 2, 2) << ww[j]);
+    }
+    const __m512i one = _mm512_set1_epi32(1);
+    for (int j = 0; j < valid; j += 16) { /* target += unzigzag(z) mod 2^16 */
+        const __mmask16 k = (__mmask16)lowmask64(valid - j);
+        __m512i t = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, target + v0 + j));
+        __m512i z = _mm512_loadu_si512(zz + j);
+        __m512i d = _mm512_xor_si512(_mm512_srli_epi32(z, 1), _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_and_si512(z, one)));
+        _mm256_mask_storeu_epi16(target + v0 + j, k, _mm512_cvtepi32_epi16(_mm512_add_epi32(t, d)));
+    }
+    return end;
+}
+#endif
+
 /* Encodes block b: writes its count field and the new state, and packs it at `dst` when its size
  * is at most `room` bytes (the bytes dst may hold; packing past them never happens). Returns the
  * block's size in bytes. */
@@ -614,7 +962,7 @@ ALWAYS_INLINE int64_t delta_encode_block(const ciera_delta_layout *l, int W, int
     const int64_t v0 = b * B;
     const int valid = (int)min64(B, n - v0);
     uint32_t zz[DELTA_MAX_BLOCK + 8], zm[DELTA_MAX_BLOCK + 8];
-    uint8_t ww[DELTA_MAX_BLOCK + 32], ee[DELTA_MAX_BLOCK + 32];
+    uint8_t ww[DELTA_MAX_BLOCK + 128], ee[DELTA_MAX_BLOCK + 32];
     uint16_t exc[DELTA_MAX_BLOCK];
     /* Vectorisable: z and previous exponent of every value; then the new state. */
     for (int j = 0; j < valid; j++) {
@@ -626,7 +974,7 @@ ALWAYS_INLINE int64_t delta_encode_block(const ciera_delta_layout *l, int W, int
     /* Widths from the table; values masked to them (those that change are the exceptions, whose
        high bits go in the exception list); group sizes. */
     delta_widths(wc, ee, ww, valid);
-    memset(ww + valid, 0, 4);
+    memset(ww + valid, 0, 64);
     for (int j = 0; j < valid; j++) { /* vectorisable */
         uint32_t w = ww[j];
         zm[j] = zz[j] & (w >= 32 ? 0xFFFFFFFFu : (1u << (w & 31)) - 1);
@@ -634,7 +982,7 @@ ALWAYS_INLINE int64_t delta_encode_block(const ciera_delta_layout *l, int W, int
     memset(zm + valid, 0, 8 * sizeof(uint32_t));
     memset(zz + valid, 0, 8 * sizeof(uint32_t));
     int n_exc = delta_exceptions(wc, zz, zm, valid, exc);
-    int64_t bytes = delta_group_bytes(ww, valid, (int)G);
+    int64_t bytes = delta_group_bytes(wc, ww, valid, (int)G);
     int64_t table_size = bytes + (int64_t)n_exc * (I + S), raw_size = (int64_t)valid * S;
     int raw = table_size > raw_size;
     int64_t size = raw ? raw_size : table_size;
@@ -699,6 +1047,12 @@ HOT static int64_t delta_encode_blocks(const ciera_delta_layout *l, const delta_
     int64_t pos = 0;
     for (int64_t b = b_lo; b < b_hi; b++) {
         int64_t r = room - pos < 0 ? 0 : room - pos;
+#if CIERA_X86
+        if (l->total_bits == 16 && wc->avx512)
+            pos += delta_encode_block16_avx512(l, (int)l->mant_bits, (int)l->exp_bits, wc, (const uint16_t *)shard,
+                                               (uint16_t *)state, counts, b, dst + pos, r);
+        else
+#endif
         if (l->total_bits == 16 && l->mant_bits == 7)
             pos += delta_encode_block(l, 16, 7, 8, wc, shard, state, counts, b, dst + pos, r);
         else if (l->total_bits == 16)
@@ -747,7 +1101,7 @@ int64_t ciera_delta_encode(const ciera_delta_layout *l, const void *shard, void 
                 for (int64_t i = 0; i < n_hist; i++) hist[i] += hists[(int64_t)t * n_hist + i];
             delta_choose_table(l, hist, table);
             for (int64_t c = 0; c < ((int64_t)1 << l->exp_bits); c++) table_out[c] = table[c];
-            wc = delta_wctx_of(table, (int)l->exp_bits);
+            delta_wctx_init(&wc, table, (int)l->exp_bits);
         } /* implicit barrier: the table is ready, every state value has been read */
         int64_t nblk = b_hi - b_lo;
         uint8_t *scratch = NULL, *dst = NULL;
@@ -783,7 +1137,8 @@ int64_t ciera_delta_encode(const ciera_delta_layout *l, const void *shard, void 
     return nomem ? CIERA_E_NOMEM : needed;
 }
 
-/* Widths of block b's values from the previous values into ww (DELTA_MAX_BLOCK + 32 bytes);
+/* Widths of block b's values from the previous values into ww (DELTA_MAX_BLOCK + 128 bytes; zero
+ * from the block's end up to the next multiple of 64);
  * returns the table-mode size of its groups. */
 ALWAYS_INLINE int64_t delta_block_widths(const ciera_delta_layout *l, int W, int M, int E, const delta_wctx *wc,
                                          const void *target, int64_t b, uint8_t *ww) {
@@ -792,8 +1147,13 @@ ALWAYS_INLINE int64_t delta_block_widths(const ciera_delta_layout *l, int W, int
     const int valid = (int)min64(l->block_size, l->numel - v0);
     uint8_t ee[DELTA_MAX_BLOCK + 32];
     for (int j = 0; j < valid; j++) ee[j] = (uint8_t)((load_u(target, v0 + j, W) >> M) & emask); /* vectorisable */
+#if CIERA_X86
+    if (W == 16 && wc->avx512)
+        return block_widths16_avx512(wc, M, E, (const uint16_t *)target + v0, valid, (int)l->group_size, ww);
+#endif
     delta_widths(wc, ee, ww, valid);
-    return delta_group_bytes(ww, valid, (int)l->group_size);
+    memset(ww + valid, 0, 64);
+    return delta_group_bytes(wc, ww, valid, (int)l->group_size);
 }
 
 /* Size of block b in bytes, or a negative error code. */
@@ -805,6 +1165,10 @@ ALWAYS_INLINE int64_t delta_block_size(const ciera_delta_layout *l, int W, int M
     uint64_t mark = C == 1 ? 0xFF : 0xFFFF;
     if (c == mark) return valid * S;
     if ((int64_t)c > valid) return CIERA_E_BAD_COUNT;
+#if CIERA_X86
+    if (W == 16 && wc->avx512 && l->group_size == 64)
+        return block_bytes16_avx512(wc, M, E, (const uint16_t *)target + b * l->block_size, (int)valid) + (int64_t)c * (I + S);
+#endif
     return delta_block_widths(l, W, M, E, wc, target, b, ww) + (int64_t)c * (I + S);
 }
 
@@ -857,7 +1221,7 @@ ALWAYS_INLINE int delta_decode_chunk(const ciera_delta_layout *l, int W, int M, 
     const int C = (int)l->count_bytes, S = (int)l->high_bytes, I = (int)l->index_bytes;
     const uint8_t *counts = payload + l->off_counts;
     const uint64_t mark = C == 1 ? 0xFF : 0xFFFF;
-    uint8_t ww[DELTA_MAX_BLOCK + 32];
+    uint8_t ww[DELTA_MAX_BLOCK + 128];
     uint32_t zz[DELTA_MAX_BLOCK + 4];
     for (int64_t b = b_lo; b < b_hi; b++) {
         const int64_t v0 = b * B;
@@ -873,8 +1237,15 @@ ALWAYS_INLINE int delta_decode_chunk(const ciera_delta_layout *l, int W, int M, 
             continue;
         }
         if ((int64_t)c > valid) return CIERA_E_BAD_COUNT;
-        int64_t gbytes = delta_block_widths(l, W, M, E, wc, target, b, ww);
-        memset(ww + valid, 0, 4); /* unpack_group reads whole quads */
+#if CIERA_X86
+        if (W == 16 && wc->avx512) {
+            int64_t e = delta_decode_block16_avx512(l, M, E, wc, payload, length, (uint16_t *)target, b, (int)c, pos);
+            if (e < 0) return (int)e;
+            pos = e;
+            continue;
+        }
+#endif
+        int64_t gbytes = delta_block_widths(l, W, M, E, wc, target, b, ww); /* ww zero past valid: unpack_group reads whole quads */
         int64_t end = pos + gbytes + (int64_t)c * (I + S);
         if (end > length) return CIERA_E_TRUNCATED;
         const uint8_t *p = payload + pos;
@@ -920,7 +1291,7 @@ HOT static int delta_decode_chunk_dispatch(const ciera_delta_layout *l, const de
 HOT static int64_t delta_size_range(const ciera_delta_layout *l, const delta_wctx *wc, const uint8_t *counts,
                                 const void *target, int64_t b_lo, int64_t b_hi) {
     int64_t total = 0;
-    uint8_t ww[DELTA_MAX_BLOCK + 32];
+    uint8_t ww[DELTA_MAX_BLOCK + 128];
     for (int64_t b = b_lo; b < b_hi; b++) {
         int64_t s;
         if (l->total_bits == 16 && l->mant_bits == 7) s = delta_block_size(l, 16, 7, 8, wc, counts, target, b, ww);
@@ -945,7 +1316,8 @@ int ciera_delta_decode(const ciera_delta_layout *l, const uint8_t *payload, int6
     const uint8_t *table = payload + l->off_table;
     for (int64_t c = 0; c < ((int64_t)1 << l->exp_bits); c++)
         if (table[c] > W) return CIERA_E_BAD_TABLE;
-    const delta_wctx wc = delta_wctx_of(table, (int)l->exp_bits);
+    delta_wctx wc;
+    delta_wctx_init(&wc, table, (int)l->exp_bits);
     threads = clamp_threads(threads);
     if (threads > nb) threads = (int)nb;
     int64_t bnd[CIERA_MAX_THREADS + 1]; /* decode chunk k: blocks [bnd[k], bnd[k+1]) */
