@@ -22,7 +22,7 @@ def test_bench_cluster_smoke(netns_ok, tmp_path):
 @pytest.mark.slow
 def test_demo_cluster(netns_ok):
     res = subprocess.run([sys.executable, str(ROOT / "tools/testbed/demo_cluster.py"), "--iters", "4",
-                          "--hidden", "32", "--experts", "2"], capture_output=True, text=True, timeout=900)
+                          "--hidden", "32", "--experts", "2", "--moe-ffn", "64"], capture_output=True, text=True, timeout=900)
     assert res.returncode == 0 and "bit-identical: yes" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
 
 

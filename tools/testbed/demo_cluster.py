@@ -3,7 +3,8 @@
 
 Builds the 2-host testbed (network namespaces, tbf-shaped veth links; needs root), runs
 ``pretrain_gpt.py`` on it (one torchrun node per host, one rank each, c10d rendezvous on host 0)
-(32 experts, 2 MB buckets, ``--grad-reduce-in-bf16``, synchronous param gathers) as Megatron's
+(8 experts of FFN 1024, 2M-parameter buckets, bf16 gradients reduced by upstream's all-to-all
+reduce-scatter, synchronous param gathers) as Megatron's
 baseline, with ``--ciera-allgather`` (``auto``: the cost model decides per bucket),
 and with exponent_reuse forced, and prints iteration time, all-gather bytes and whether every run's
 losses and params sha256 equal the baseline's. Everything is torn down at the end.
@@ -33,15 +34,18 @@ def main(argv=None) -> int:
     p.add_argument("--rate", default="1gbit")
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--moe-ffn", type=int, default=1024, help="--moe-ffn-hidden-size")
     p.add_argument("--bucket-size", type=int, default=2_000_000, help="--ddp-bucket-size")
     p.add_argument("--overlap", action="store_true", help="--overlap-param-gather (smaller gain, see BENCHMARKS.md)")
     a = p.parse_args(argv)
-    # the testbed's communication-bound configuration (BENCHMARKS.md): many experts, 32-token
-    # micro-batches, several buckets, gradients reduced in bf16 (--grad-reduce-in-bf16, as
-    # Megatron-LM offers), synchronous param gathers (no --overlap-param-gather; --overlap adds it)
-    flags = train_flags(hidden=a.hidden, layers=2, experts=a.experts, iters=a.iters, seq=32, dp=2,
-                        bucket_size=a.bucket_size, extra_flags=("--grad-reduce-in-bf16",))
+    # the testbed's communication-bound configuration (BENCHMARKS.md): large experts, 32-token
+    # micro-batches, several buckets, gradients reduced in bf16 by the all-to-all reduce-scatter
+    # (upstream's flags; gloo's own reduce_scatter is an all-reduce, twice the bytes NCCL moves),
+    # synchronous param gathers (no --overlap-param-gather; --overlap adds it)
+    flags = train_flags(hidden=a.hidden, layers=2, experts=a.experts, moe_ffn=a.moe_ffn, iters=a.iters, seq=32,
+                        dp=2, bucket_size=a.bucket_size,
+                        extra_flags=("--grad-reduce-in-bf16", "--ddp-reduce-scatter-with-fp32-accumulation"))
     try:
         with Testbed(TestbedConfig(hosts=2, link=LinkSpec(rate=a.rate))) as tb, tempfile.TemporaryDirectory() as tmp:
             bw = probe_link(tb)
