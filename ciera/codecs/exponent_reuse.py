@@ -93,9 +93,13 @@ def _native_fields(fmt: FloatFormat, bits: torch.Tensor) -> tuple[torch.Tensor, 
 
     Only bitwise operations and masked arithmetic shifts: no widening copies, no overflow."""
     m = fmt.mant_bits
-    exp8 = ((bits >> m) & ((1 << fmt.exp_bits) - 1)).to(torch.uint8)
     sm = (bits & ((1 << m) - 1)) | ((bits < 0).to(bits.dtype) << m)
-    return exp8, sm
+    return _exponents(fmt, bits), sm
+
+
+def _exponents(fmt: FloatFormat, bits: torch.Tensor) -> torch.Tensor:
+    """The exponent fields of signed bit patterns, as uint8 (the codec's state)."""
+    return ((bits >> fmt.mant_bits) & ((1 << fmt.exp_bits) - 1)).to(torch.uint8)
 
 
 def encode_reference(*, layout: ExponentReuseLayout, shard_bits: torch.Tensor, state: torch.Tensor,
@@ -204,8 +208,7 @@ class ExponentReuseCodec(Codec):
 
     def reset_state(self, *, state: torch.Tensor, shard: torch.Tensor) -> None:
         self._check_shard(shard)
-        exp8, _ = _native_fields(self.fmt, as_bits(shard))
-        state.copy_(exp8)
+        state.copy_(_exponents(self.fmt, as_bits(shard)))  # the sign|mantissa half is not needed
 
     def _check_state(self, state) -> None:
         if state is None or state.dtype != torch.uint8 or state.numel() != self.numel:
