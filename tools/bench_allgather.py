@@ -27,17 +27,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ciera import CieraAllGather, CieraConfig  # noqa: E402
+from ciera import CieraAllGather  # noqa: E402
 from ciera.codecs import as_bits  # noqa: E402
 from ciera.testing import run_on_ranks  # noqa: E402
 from ciera.trajectory import AdamTrajectory  # noqa: E402
-
-
-def mode_config(codec: str) -> CieraConfig:
-    """A codec forced on every gather, or ``auto``: the cost model picks raw or a codec per bucket."""
-    if codec == "auto":
-        return CieraConfig(codec="auto", selection="auto")
-    return CieraConfig(codec=codec, selection="always")
+from tools.testbed.bench_gather import mode_config  # noqa: E402
 
 
 def _worker(rank, world, numel, codecs, lr, warmup, steps, device_type):

@@ -494,11 +494,17 @@ def save(args: argparse.Namespace, *, iteration: int, model, optimizer, schedule
         return
     state = _sharded_state_dict(model, optimizer, metadata=_CONTENT_METADATA, with_optimizer=not args.no_save_optim,
                                 with_rng=not args.no_save_rng, is_loading=False)
-    state.update(iteration=iteration, checkpoint_version=CHECKPOINT_VERSION, args=_saved_args(args, iteration),
-                 num_floating_point_operations_so_far=flops_so_far)
-    if not args.no_save_optim:
-        state["opt_param_scheduler"] = scheduler.state_dict()
+    state.update(_common_entries(args, iteration=iteration, scheduler=scheduler, flops_so_far=flops_so_far))
     write(state, root=args.save, iteration=iteration, queue=queue)
+
+
+def _common_entries(args, *, iteration: int, scheduler, flops_so_far: float) -> dict:
+    """The checkpoint entries besides model, optimizer and RNG, in both formats (Megatron-LM's keys)."""
+    out = dict(iteration=iteration, checkpoint_version=CHECKPOINT_VERSION, args=_saved_args(args, iteration),
+               num_floating_point_operations_so_far=flops_so_far)
+    if not args.no_save_optim:
+        out["opt_param_scheduler"] = scheduler.state_dict()
+    return out
 
 
 def _save_torch(args, *, iteration: int, model, optimizer, scheduler, flops_so_far: float) -> None:
@@ -509,10 +515,7 @@ def _save_torch(args, *, iteration: int, model, optimizer, scheduler, flops_so_f
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
     dist.barrier()
-    state = dict(iteration=iteration, checkpoint_version=CHECKPOINT_VERSION, args=_saved_args(args, iteration),
-                 num_floating_point_operations_so_far=flops_so_far)
-    if not args.no_save_optim:
-        state["opt_param_scheduler"] = scheduler.state_dict()
+    state = _common_entries(args, iteration=iteration, scheduler=scheduler, flops_so_far=flops_so_far)
     if not args.no_save_rng:
         state["rng_state"] = [_rng_state()]  # DP rank 0's, as Megatron-LM without --data-parallel-random-init
     torch_checkpoint.save(partial, state=state, model_chunks=[(k, _unwrap(c)) for k, c in _model_keys(model)],

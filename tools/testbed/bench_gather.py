@@ -49,6 +49,7 @@ shaper's queue), so a fit from small sizes alone under-predicts the real ones by
 
 
 def mode_config(mode: str) -> CieraConfig:
+    """A codec forced on every gather, or ``auto``: the cost model picks raw or a codec per bucket."""
     if mode == "auto":
         return CieraConfig(codec="auto", selection="auto")
     return CieraConfig(codec=mode, selection="always")
