@@ -51,7 +51,7 @@ class CieraConfig:
     reevaluate_interval: int = 50
     """With ``selection='auto'``: gathers between re-decisions of the cost model (a bucket whose
     first decision compressed is re-checked sooner, after ``ciera.selection.EARLY_RECHECK``; one
-    where raw wins outright backs off, up to ``ciera.selection.MAX_BACKOFF`` times this)."""
+    where raw wins clearly backs off, up to ``ciera.selection.MAX_BACKOFF`` times this)."""
 
     hysteresis: float = 0.1
     """With ``selection='auto'``: a bucket switches between raw and compressed only when the

@@ -424,13 +424,13 @@ def agree(*, values: Sequence[float], group=None, device=None) -> list[float]:
 DEFAULT_LINK_SIZES = (1 << 14, 1 << 17, 1 << 20, 1 << 22)
 
 
-def measure_link(*, group=None, device="cpu", sizes: Sequence[int] = DEFAULT_LINK_SIZES, repeats: int = 3,
-                 warmup: int = 1) -> LinkModel:
-    """Time ``all_gather_into_tensor`` of ``sizes`` bytes per rank on ``group`` and fit a :class:`LinkModel`.
+def measure_link_times(*, group=None, device="cpu", sizes: Sequence[int] = DEFAULT_LINK_SIZES, repeats: int = 3,
+                       warmup: int = 1) -> list[float]:
+    """Seconds of one ``all_gather_into_tensor`` of each of ``sizes`` bytes per rank on ``group``.
 
-    Collective: every rank of ``group`` must call it with equal arguments. The per-size time is the
-    fastest of ``repeats`` runs on this rank, then MAX-reduced across the group, so the fitted model
-    is identical on every rank.
+    Collective: every rank of ``group`` must call it with equal arguments. Each figure is the
+    fastest of ``repeats`` runs on this rank, then MAX-reduced across the group, so every rank
+    holds the same list. A group of one rank returns zeros (nothing is sent).
     """
     import torch
     import torch.distributed as dist
@@ -439,7 +439,7 @@ def measure_link(*, group=None, device="cpu", sizes: Sequence[int] = DEFAULT_LIN
 
     world = dist.get_world_size(group)
     if world == 1:
-        return LinkModel(bandwidth_bytes_per_s=1e30, latency_s=0.0)
+        return [0.0] * len(sizes)
     times = []
     for size in sizes:
         src = torch.zeros(int(size), dtype=torch.uint8, device=device)
@@ -454,7 +454,20 @@ def measure_link(*, group=None, device="cpu", sizes: Sequence[int] = DEFAULT_LIN
             if i >= warmup:
                 best = min(best, time.perf_counter() - t0)
         times.append(best)
-    times = agree(values=times, group=group, device=device if torch.device(device).type == "cuda" else "cpu")
+    return agree(values=times, group=group, device=device if torch.device(device).type == "cuda" else "cpu")
+
+
+def measure_link(*, group=None, device="cpu", sizes: Sequence[int] = DEFAULT_LINK_SIZES, repeats: int = 3,
+                 warmup: int = 1) -> LinkModel:
+    """Time ``all_gather_into_tensor`` of ``sizes`` bytes per rank on ``group`` and fit a
+    :class:`LinkModel` (:func:`measure_link_times`, then :func:`fit_latency_bandwidth`): collective,
+    and identical on every rank."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    if world == 1:
+        return LinkModel(bandwidth_bytes_per_s=1e30, latency_s=0.0)
+    times = measure_link_times(group=group, device=device, sizes=sizes, repeats=repeats, warmup=warmup)
     return fit_latency_bandwidth(sizes=sizes, times=times, world=world)
 
 
@@ -500,5 +513,6 @@ __all__ = [
     "ALGORITHMS", "RAW", "CodecEstimate", "CodecSpeed", "Decision", "Ewma", "HostShare", "Link", "LinkModel",
     "Prediction",
     "TwoLevelLink", "agree", "agreement_time", "decide", "fit_latency_bandwidth", "measure_codec_speed", "measure_link",
+    "measure_link_times",
     "predict_compressed", "predict_raw",
 ]

@@ -157,7 +157,7 @@ class CieraAllGather:
                 codecs=self._codecs, config=config, world=self.world, group=group, device=dev,
                 link=m.link_for(group=group, device=dev, shard_bytes=self._raw_bucket_bytes() // self.world),
                 speeds={n: m.codec_for(codec=c, group=group, device=dev) for n, c in self._codecs.items()},
-                name=self.name)
+                name=self.name, measurements=m)
 
     # -- public API ------------------------------------------------------------------------------
     @staticmethod
@@ -335,7 +335,9 @@ class CieraAllGather:
         """Bytes codec ``name`` needs for this shard against ``previous_shard`` (local, no
         collective; runs before the agreement, where host reads are allowed)."""
         codec = self._codecs[name]
-        scratch = torch.empty(codec.clamp_capacity(codec.max_bytes), dtype=torch.uint8, device=self.buffer.device)
+        # The send buffer is free here (the previous gather was waited on; this one's encode comes
+        # after, in stream order on CUDA) and holds every codec's worst case.
+        scratch = self._send[: codec.clamp_capacity(codec.max_bytes)]
         codec.encode(shard=self._shard, state=codec.new_state(shard=previous_shard), out=scratch)
         return PayloadHeader(scratch[:HEADER_BYTES].view(torch.int64).cpu()).needed
 

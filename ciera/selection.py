@@ -17,10 +17,16 @@ follow the real gathers: the first real figures replace the probe's, later ones 
 Because the first decision rests on the probe alone, it compresses only when a codec beats raw by
 the ``hysteresis`` margin, and a bucket that starts compressing is re-decided after
 ``EARLY_RECHECK`` gathers on its real timings (then every ``reevaluate_interval``). Where raw
-wins outright (the codec work alone exceeds the raw gather), the interval doubles at each
-decision up to ``MAX_BACKOFF`` times, so the probes cost next to nothing on a fast link. The link is
-measured once per group at the sizes its first bucket sends. The selector returns decisions
-(:class:`Switch`); the gather applies them.
+wins clearly (every codec predicted slower by the ``hysteresis`` margin, or its codec work alone
+exceeding the raw gather), the interval doubles at each decision up to ``MAX_BACKOFF`` times, so
+the probes cost next to nothing on a fast link.
+
+The link is measured once per group at the sizes its first bucket sends, and once more at the
+first early re-check in the group: a decision to compress that rests on one measurement is
+checked against a second, the link keeping each size's faster time of the two (a measurement
+slowed by a burst of other work can only make the link look slower than it is, which favours
+compressing; the second one corrects it, and the first is never discarded as too fast). The
+selector returns decisions (:class:`Switch`); the gather applies them.
 """
 
 from __future__ import annotations
@@ -42,12 +48,14 @@ EARLY_RECHECK = 4
 real encode/decode timings of those gathers (at most ``reevaluate_interval``)."""
 
 MAX_BACKOFF = 16
-"""Largest multiple of ``reevaluate_interval`` between decisions while raw wins outright: every
-candidate's encode + decode alone takes longer than the raw gather, so no wire ratio could change
-the answer (only the codecs' speed or the link could, and they move slowly). Each such decision
-doubles the interval, up to this factor; any other decision resets it. A decision costs a copy of
-the shard and one probe encode per candidate: on a fast link (one host's memcpy) that would
-otherwise be several percent of the raw gathers it sits between."""
+"""Largest multiple of ``reevaluate_interval`` between decisions while raw wins clearly: every
+candidate is predicted slower than raw by more than the ``hysteresis`` margin, or its encode +
+decode alone takes longer than the raw gather (then no wire ratio could change the answer). Either
+way leaving raw would need the codecs' speed, the link or the wire ratios to move by twice the
+margin, and they move slowly. Each such decision doubles the interval, up to this factor; any other
+decision resets it. A decision costs a copy of the shard and one probe encode per candidate: on a
+fast link (one host's memcpy) that would otherwise be several percent of the raw gathers it sits
+between."""
 
 
 class Measurements:
@@ -62,6 +70,13 @@ class Measurements:
     def __init__(self, *, link: cm.Link | None = None):
         self.link = link
         """The group's link model; measured by the first gather that needs it when ``None``."""
+        self.link_sizes: list[int] = []
+        """Bytes per rank the link was measured at (empty when it was given)."""
+        self.link_times: list[float] = []
+        """Agreed seconds of one all-gather at each of ``link_sizes``: the fastest over all
+        measurements so far."""
+        self.link_measurements = 0
+        """Times the link was measured (0 when it was given): 1 at start-up, 2 once refined."""
         self.codec_seconds_per_byte: dict[tuple, tuple[float, float]] = {}
         """(codec, dtype, block size, numel, device type) -> agreed (encode, decode) seconds per raw byte."""
 
@@ -70,9 +85,29 @@ class Measurements:
         rank sends: its raw shard and the compressed payloads (1/8 and 1/4 of it)."""
         if self.link is None:
             top = max(int(shard_bytes), 1 << 12)
-            sizes = sorted({max(top // 8, 1 << 9), max(top // 4, 1 << 10), top})
-            self.link = cm.measure_link(group=group, device=device, sizes=sizes)
+            self._measure_link(group=group, device=device,
+                               sizes=sorted({max(top // 8, 1 << 9), max(top // 4, 1 << 10), top}))
         return self.link
+
+    def refine_link(self, *, group, device) -> cm.Link:
+        """The group's link, measured a second time on the first call (collective: every rank of
+        the group calls it at the same gather, which the rank-identical schedule guarantees). Each
+        size keeps the faster of its two times. A given link is kept as it is."""
+        if self.link_measurements == 1:
+            self._measure_link(group=group, device=device, sizes=self.link_sizes)
+        return self.link
+
+    def _measure_link(self, *, group, device, sizes: list[int]) -> None:
+        import torch.distributed as dist
+
+        times = cm.measure_link_times(group=group, device=device, sizes=sizes)
+        if self.link_times:
+            times = [min(a, b) for a, b in zip(self.link_times, times)]
+        self.link_sizes, self.link_times = list(sizes), times
+        self.link_measurements += 1
+        world = dist.get_world_size(group)
+        self.link = (cm.LinkModel(bandwidth_bytes_per_s=1e30) if world == 1 else
+                     cm.fit_latency_bandwidth(sizes=sizes, times=times, world=world))
 
     def codec_for(self, *, codec, group, device) -> tuple[float, float]:
         """Agreed (encode, decode) seconds per raw byte of ``codec`` at its real shard size."""
@@ -105,13 +140,16 @@ class Selector:
         link: the group's link model.
         speeds: name -> agreed (encode, decode) seconds per raw byte, the starting averages.
         name: the bucket's name, for the decision's log line.
+        measurements: the group's :class:`Measurements`, if any: each decision reads its link,
+            and the early re-check refines it (:meth:`Measurements.refine_link`).
     """
 
     def __init__(self, *, codecs: dict, config, world: int, group, device, link: cm.Link,
-                 speeds: dict[str, tuple[float, float]], name: str = "bucket"):
+                 speeds: dict[str, tuple[float, float]], name: str = "bucket", measurements=None):
         self.codecs, self.config, self.world, self.group, self.device = codecs, config, world, group, device
         self.name = name
         self.link = link
+        self.measurements = measurements
         self.speeds = {n: (cm.Ewma().update(e), cm.Ewma().update(d)) for n, (e, d) in speeds.items()}
         self.decide_at = config.warmup_gathers
         self.snapshot: torch.Tensor | None = None
@@ -131,10 +169,14 @@ class Selector:
             self.decide_at = index + warmup_left  # invalidated: decide right after the raw gathers
         switch = None
         if index == self.decide_at and self.snapshot is not None:
+            early = self.decisions == 1 and self.decision.compress  # see EARLY_RECHECK
+            if self.measurements is not None:
+                self.link = (self.measurements.refine_link(group=self.group, device=self.device) if early
+                             else self.measurements.link or self.link)
             switch = self._decide(current=current, probe=probe, stats=stats)
             self.snapshot = None
-            outright = self.config.selection == "auto" and _raw_wins_outright(self.decision)
-            self.backoff = min(2 * self.backoff, MAX_BACKOFF) if outright else 1
+            clear = self.config.selection == "auto" and _raw_wins_clearly(self.decision, self.config.hysteresis)
+            self.backoff = min(2 * self.backoff, MAX_BACKOFF) if clear else 1
             interval = self.config.reevaluate_interval * self.backoff
             if self.decisions == 1 and self.decision.compress:  # rests on the start-up probe: check soon
                 interval = min(interval, EARLY_RECHECK)
@@ -196,8 +238,11 @@ class Selector:
                                 dec.update(d.decode_s / (n * max(self.world - 1, 1) * raw_b)))
 
 
-def _raw_wins_outright(decision: cm.Decision) -> bool:
-    """Raw chosen, and every candidate's codec work alone (its prediction less the collective)
-    already exceeds raw's whole gather: no payload size could make compressing pay."""
+def _raw_wins_clearly(decision: cm.Decision, hysteresis: float) -> bool:
+    """Raw chosen, and every candidate either predicted slower than raw by more than the
+    ``hysteresis`` margin, or its codec work alone (its prediction less the collective) already
+    exceeding raw's whole gather (then no payload size could make compressing pay)."""
     raw = decision.predictions[0]
-    return decision.choice == cm.RAW and all(p.total_s - p.comm_s >= raw.total_s for p in decision.predictions[1:])
+    return decision.choice == cm.RAW and all(
+        p.total_s > raw.total_s * (1.0 + hysteresis) or p.total_s - p.comm_s >= raw.total_s
+        for p in decision.predictions[1:])

@@ -102,3 +102,22 @@ def test_auto_that_chose_raw_skips_the_size_agreement():
     assert msg.startswith("b0: selection -> raw (raw ") and "compressing is not faster: exponent_reuse" in msg, msg
     assert "delta" in msg and "world 2" in msg, msg
 
+
+
+def _refine(rank, world):
+    m = Measurements()
+    first = m.link_for(group=None, device="cpu", shard_bytes=1 << 16)
+    before = list(m.link_times)
+    refined = m.refine_link(group=None, device="cpu")
+    again = m.refine_link(group=None, device="cpu")  # once only: no further collective
+    return before, list(m.link_times), m.link_measurements, first, refined, again is refined
+
+
+def test_refined_link_is_measured_once_more_and_agreed():
+    """On a real group the second link measurement is collective and rank-identical: every rank
+    holds the same per-size times, each the faster of its two measurements."""
+    runs = run_on_ranks(_refine, world=2)
+    before, after, count, first, refined, once = runs[0]
+    assert all(r[1:5] == runs[0][1:5] for r in runs), "ranks hold different links"
+    assert count == 2 and once and len(after) == 3
+    assert all(a <= b for a, b in zip(after, before))

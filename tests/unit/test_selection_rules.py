@@ -121,3 +121,65 @@ def test_raw_that_wins_outright_backs_off_its_rechecks():
     at = _decision_gathers(near, probe, 2 + 4 * 5)
     assert near.decision.choice == "raw" and near.backoff == 1
     assert at == [w + 4 * k for k in range(6)], at
+
+
+def test_raw_that_wins_by_the_margin_backs_off_too():
+    """Codec work below the raw gather but every codec predicted slower than raw by more than the
+    hysteresis margin (one host's memcpy link at 8M values): the interval doubles as well."""
+    cfg = CieraConfig(selection="auto", reevaluate_interval=4)
+    sel, probe = _selector(enc_s=0.014, dec_s=0.011, config=cfg)  # 25 ms + wire 4.6 ms vs raw 26.2 ms
+    at = _decision_gathers(sel, probe, 2 + 4 * (2 + 4 + 8))
+    w = cfg.warmup_gathers
+    d = sel.decision
+    assert d.times["delta"] - d.predictions[1].comm_s < d.raw_s < d.times["delta"] / (1 + cfg.hysteresis)
+    assert at == [w, w + 8, w + 24, w + 56], at
+    assert sel.backoff == 16
+
+
+class _FakeMeasurements:
+    """A group's measurements whose second link measurement finds the link faster."""
+
+    def __init__(self, first, second):
+        self.link, self._second, self.refines = first, second, 0
+
+    def refine_link(self, *, group, device):
+        self.refines += 1
+        self.link = self._second
+        return self.link
+
+
+def test_early_recheck_remeasures_the_link_and_corrects_a_slow_first_measurement(caplog):
+    """The start-up link measurement ran during a burst of other work (4x too slow), so delta won
+    on real codec timings too; the early re-check measures the link again, finds it fast, and goes
+    back to raw. The re-measurement happens once, at the early re-check only."""
+    slow = LinkModel(bandwidth_bytes_per_s=LINK.bandwidth_bytes_per_s / 4)
+    meas = _FakeMeasurements(slow, LINK)
+    codec = SimpleNamespace(raw_bytes=RAW_B)
+    sel = selection.Selector(codecs={"delta": codec}, config=CieraConfig(selection="auto"), world=2, group=None,
+                             device="cpu", link=slow, speeds={"delta": (0.018 / RAW_B, 0.013 / RAW_B)},
+                             name="b0", measurements=meas)
+    probe = lambda name, prev: int(0.177 * RAW_B)  # noqa: E731
+    with caplog.at_level(logging.INFO, logger="ciera.selection"):
+        modes = _run(sel, probe, 2 * CieraConfig().reevaluate_interval, real_enc_s=0.018, real_dec_s=0.013)
+    first = CieraConfig().warmup_gathers
+    recheck = first + selection.EARLY_RECHECK
+    assert set(modes[first:recheck]) == {"delta"} and set(modes[recheck:]) == {None}, modes
+    assert meas.refines == 1 and sel.link is LINK and sel.decisions == 2
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == ["b0: selection -> delta", "b0: selection -> raw"]
+
+
+def test_refined_link_keeps_each_sizes_faster_time(monkeypatch):
+    """Measurements.refine_link: the second measurement is folded in size by size (the faster
+    time wins), once; a given link is never re-measured."""
+    runs = iter([[0.004, 0.010, 0.030], [0.002, 0.012, 0.020]])
+    monkeypatch.setattr(selection.cm, "measure_link_times", lambda *, group, device, sizes: next(runs))
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    m = selection.Measurements()
+    first = m.link_for(group=None, device="cpu", shard_bytes=8 << 20)
+    assert m.link_sizes == [1 << 20, 2 << 20, 8 << 20] and m.link_measurements == 1
+    refined = m.refine_link(group=None, device="cpu")
+    assert m.link_times == [0.002, 0.010, 0.020] and m.link_measurements == 2
+    assert refined.allgather_time(bytes_per_rank=8 << 20, world=2) < first.allgather_time(bytes_per_rank=8 << 20, world=2)
+    assert m.refine_link(group=None, device="cpu") is refined  # once: no third measurement
+    given = selection.Measurements(link=LINK)
+    assert given.refine_link(group=None, device="cpu") is LINK and given.link_measurements == 0
