@@ -43,6 +43,7 @@ def _worker(rank, world, numel, codecs, lr, warmup, steps, device_type):
     plain = torch.zeros(numel, dtype=torch.bfloat16, device=device)
     gathers = {c: CieraAllGather(torch.zeros_like(plain), config=mode_config(c), name=c) for c in codecs}
     times = {c: [] for c in ["plain", *codecs]}
+    modes = {c: [] for c in codecs}  # the codec each gather of the timed steps used (None: raw)
 
     def timed(fn):
         if device_type == "cuda":
@@ -67,13 +68,29 @@ def _worker(rank, world, numel, codecs, lr, warmup, steps, device_type):
                 t = timed(lambda: dist.all_gather_into_tensor(plain, plain.view(world, -1)[rank]))
             else:
                 g.buffer.view(world, -1)[rank].copy_(x)
+                n = g.stats.compressed_gathers
                 t = timed(lambda: g.start().wait())
+                if step >= warmup:
+                    s = g.stats
+                    modes[name].append(s.codec if s.compressed_gathers > n else None)
             if step >= warmup:
                 times[name].append(t)
         for c, g in gathers.items():
             if not torch.equal(as_bits(g.buffer), as_bits(plain)):
                 raise AssertionError(f"{c}: gathered buffer differs from all_gather_into_tensor")
-    return {"times": times, "stats": {c: g.stats.minus(before[c]) for c, g in gathers.items()}}
+    return {"times": times, "modes": modes, "stats": {c: g.stats.minus(before[c]) for c, g in gathers.items()},
+            "decisions": {c: g.selector.decisions if g.selector else 0 for c, g in gathers.items()}}
+
+
+def _switches(modes) -> str:
+    """Where the timed steps changed mode: ``step:mode`` pairs (``raw`` for uncompressed)."""
+    out, last = [], "raw"
+    for i, m in enumerate(modes):
+        m = m or "raw"
+        if m != last:
+            out.append(f"{i}:{m}")
+            last = m
+    return " ".join(out) or "-"
 
 
 def main(argv=None) -> int:
@@ -97,7 +114,7 @@ def main(argv=None) -> int:
     print(f"# bench_allgather: {args.backend}, {args.world} ranks, bf16, lr {args.lr:g}, warmup {args.warmup}, "
           f"{args.steps} timed steps, torch {torch.__version__}")
     lines = ["| values | codec | plain ms | CIERA ms | speed-up | mean speed-up | wire/raw | payload/raw | wire/payload "
-             "| raw gathers |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| raw gathers | decisions | switches (step:mode) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for numel in args.numel:
         results = run_on_ranks(_worker, world=args.world,
                                args=(numel, args.codecs, args.lr, args.warmup, args.steps, "cpu"))
@@ -113,7 +130,7 @@ def main(argv=None) -> int:
             wire, payload = s.wire_bytes / s.raw_bytes, s.payload_bytes / s.raw_bytes
             lines.append(f"| {numel:,} | {c} | {plain * 1e3:.2f} | {t * 1e3:.2f} | {plain / t:.3f}x | {mean:.3f}x "
                          f"| {wire:.4f} | {payload:.4f} | {wire / payload if payload else float('nan'):.4f} "
-                         f"| {s.raw_gathers} |")
+                         f"| {s.raw_gathers} | {results[0]['decisions'][c]} | {_switches(results[0]['modes'][c])} |")
             print(lines[-1], flush=True)
     table = "\n".join(lines)
     print(table)

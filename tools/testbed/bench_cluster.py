@@ -138,9 +138,14 @@ def bench_train(tb, *, nproc, flags, mode, overlap, timeout, work: Path) -> dict
 
 
 def _merge(runs: list[dict]) -> dict:
-    """Repeats of one mode: median time; sha256 and losses kept only if every repeat agrees."""
+    """Repeats of one mode: median time and median of each timer (every run's kept beside them);
+    sha256 and losses kept only if every repeat agrees."""
     out = dict(runs[-1])
     out["ms_runs"] = [r["ms"] for r in runs]
+    out["intervals_runs"] = [r["intervals_ms"] for r in runs]
+    out["timers_runs"] = [r["timers_ms"] for r in runs]
+    names = [k for k in runs[-1]["timers_ms"] if all(k in r["timers_ms"] for r in runs)]
+    out["timers_ms"] = {k: statistics.median(r["timers_ms"][k] for r in runs) for k in names}
     out["ms"] = statistics.median(r["ms"] for r in runs) if all(r["ms"] for r in runs) else None
     if len({r["sha256"] for r in runs}) != 1 or len({tuple(r["losses"]) for r in runs}) != 1:
         out["sha256"], out["losses"] = "repeats differ", []
@@ -307,8 +312,10 @@ def main(argv=None) -> int:
                                                     overlap=gather_mode == "overlap", timeout=a.timeout, work=work)
                                 cfg["load_avg"].append(os.getloadavg()[0])
                                 runs[mode].append(r)
+                                gather_ms = r["timers_ms"].get("params-all-gather")
                                 print(f"   train {gather_mode:<7} {mode:<15} {_fmt(r['ms'])} ms/iter "
-                                      f"({time.monotonic() - t0:.0f} s)", flush=True)
+                                      f"({time.monotonic() - t0:.0f} s)"
+                                      + ("" if gather_ms is None else f", params-all-gather {gather_ms:.1f} ms"), flush=True)
                         for mode in a.train_modes:
                             cfg["train"].append(_merge(runs[mode]))
                 cfg["model"] = {"hidden": a.hidden, "layers": a.layers, "experts": a.experts, "seq": a.seq, "dp": dp,
