@@ -2,19 +2,25 @@
 
 Inputs are measured independently of the times being predicted:
 
-* the **link**: ``link_probe_bytes_per_s``, a one-stream TCP transfer between two testbed hosts
-  (``probe_link``), ``link_latency_s``, half a small-message TCP round trip (``probe_latency``), and the layout (hosts x ranks per host: ranks of one host share its link, as
-  :class:`ciera.cost_model.TwoLevelLink` with one NIC per node models it; ranks on one host talk over
-  loopback at ``LOOPBACK_BYTES_PER_S``);
-* the **codec speeds**: each codec's encode and decode seconds per gather, as the CIERA gathers
-  measured them (their own timers, not the gather's wall time);
-* the **payload sizes**: the wire bytes the gathers sent.
+* the **link**: preferably :class:`MeasuredLink`, gloo's all-gather timed on the testbed's host
+  pair by ``link_probe.py`` (:func:`probe_gloo`: single gathers per size after an idle link,
+  medians) with the shaper's burst (:func:`shaper_burst`); else gloo's fitted link
+  (``measure_link``) or the TCP probes (``probe_link``, ``probe_duplex``, ``probe_latency``) and
+  the layout (ranks of one host share its link, as :class:`ciera.cost_model.TwoLevelLink` with
+  one NIC per node models it; ranks on one host talk over loopback at ``LOOPBACK_BYTES_PER_S``);
+* the **codec speeds**: encode and decode seconds, from the codec's own timers (the gather
+  benchmark's slowest rank; a training run's ``ciera-encode`` / ``ciera-decode`` timers);
+* the **payload sizes**: the wire bytes the gathers sent, and the training buckets' sizes the
+  runs' selection lines name.
 
 Predicted per gather, with ``ciera.cost_model`` (the functions the gather's ``auto`` uses):
-plain = ``link.allgather_time``; codec = encode + ``allgather_time(wire)`` + decode (synchronous:
-the gather bench waits on each gather). Training, synchronous gather: baseline iteration minus the
-predicted plain gathers plus the predicted CIERA gathers of the same bytes (the timeline that
-applies when nothing overlaps on a CPU host: ``overlap_comm=False`` in ``tools/sim/timeline.py``).
+plain = ``link.allgather_time``; codec = encode + size agreement + ``allgather_time(wire)`` +
+decode (synchronous: the gather bench waits on each gather). Training: the measured baseline
+iteration minus its predicted param gathers plus the predicted CIERA gathers of the same bytes,
+both bucket group by bucket group as Megatron's synchronous gather runs them (:func:`raw_sequence`,
+:func:`compressed_sequence`): the serial timeline (``overlap_comm=False`` in
+``tools/sim/timeline.py``), which applies on this CPU testbed to overlapped runs too (their
+forward-backward grows by the whole gather: nothing hides).
 """
 
 from __future__ import annotations
@@ -441,7 +447,8 @@ def predict_baseline(cfg: dict, ref: dict, *, overlap: bool) -> float | None:
     what the all-gather does), each on its own configuration's measured gloo link."""
     base = next((b["ms"] for b in ref.get("train", []) if b["mode"] == "baseline" and b["overlap"] == overlap), None)
     shard = iteration_bytes_per_rank(ref) or iteration_bytes_per_rank(cfg)
-    if base is None or shard is None or not cfg.get("gather") or not ref.get("gather"):
+    measured = [c.get("gloo_probe") or c.get("gather") for c in (cfg, ref)]  # a gloo link for both
+    if base is None or shard is None or not all(measured):
         return None
     world = cfg["hosts"] * cfg["nproc"]
 
