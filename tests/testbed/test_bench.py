@@ -17,6 +17,13 @@ def test_bench_cluster_smoke(netns_ok, tmp_path):
     md = (tmp_path / "bench_cluster.md").read_text()
     assert "| 2x1 | 1gbit | overlap | auto |" in md and "| yes |" in md
     assert (tmp_path / "bench_cluster.png").stat().st_size > 0
+    import json
+
+    from tools.testbed.sim_testbed import MeasuredLink
+
+    (cfg,) = json.loads((tmp_path / "results.json").read_text())["results"]
+    link = MeasuredLink.from_probe(cfg["gloo_probe"], rate=cfg["rate"])  # the simulator's link, probed
+    assert len(link.points) == 3 and all(t > 0 for _, t in link.points)
 
 
 @pytest.mark.slow

@@ -111,3 +111,119 @@ def test_ranks_sharing_cores_use_single_core_speeds_times_the_share():
     assert predict(four)["gather"]["exponent_reuse"] != pytest.approx(sim["gather"]["exponent_reuse"])
     it = 20e6 / 10 / 4  # bytes per rank per iteration, in 2 buckets
     assert sim["train_gather"]["baseline:sync"] == pytest.approx(2 * 3 * it / 2 / 1e8 * 1e3)
+
+
+def _probe(points, kind="idle"):
+    return {"world": 2, "cases": {f"c{b}": {"pattern": kind, "bytes_per_rank": [b], "median_s": t}
+                                  for b, t in points}
+            | {"seq": {"pattern": "sync", "bytes_per_rank": [1, 2], "median_s": 9.0}}}
+
+
+def test_measured_link_interpolates_between_probed_sizes():
+    from tools.testbed.sim_testbed import MeasuredLink
+
+    link = MeasuredLink(points=((1000, 0.002), (3000, 0.004), (5000, 0.010)))
+    assert link.allgather_time(bytes_per_rank=2000, world=2) == pytest.approx(0.003)
+    assert link.allgather_time(bytes_per_rank=3000, world=2) == pytest.approx(0.004)
+    assert link.allgather_time(bytes_per_rank=7000, world=2) == pytest.approx(0.016)  # last slope
+    assert link.allgather_time(bytes_per_rank=400, world=2) == pytest.approx(0.001)  # half the first: floor
+    assert link.allgather_time(bytes_per_rank=2000, world=4) == pytest.approx(3 * 0.003)  # ring steps
+    with pytest.raises(ValueError, match="increasing"):
+        MeasuredLink(points=((2, 1.0), (1, 2.0)))
+    with pytest.raises(ValueError, match="world"):
+        MeasuredLink(points=((1, 1.0), (2, 2.0)), world=1)
+
+
+def test_back_to_back_gathers_find_the_shapers_burst_spent():
+    """After an idle gap >= refill a gather costs its idle-link time; right after another, its
+    fixed cost + what its bytes add past the burst; a shorter gap refills in proportion."""
+    from tools.testbed.sim_testbed import MeasuredLink
+
+    pts = ((100, 0.001), (1000, 0.002), (2000, 0.012), (4000, 0.032))
+    link = MeasuredLink(points=pts, burst_bytes=1000, refill_s=0.002)
+    idle = link.step_time(2000)
+    spent = 0.001 + link.step_time(3000) - link.step_time(1000)  # 1 + 22 - 2 ms
+    assert spent == pytest.approx(0.021)
+    inf = float("inf")
+    assert link.sequence_time(bytes_per_rank=[2000], gaps_s=[inf], world=2) == pytest.approx(idle)
+    assert link.sequence_time(bytes_per_rank=[2000, 2000], gaps_s=[inf, 0.0], world=2) == pytest.approx(idle + spent)
+    half = link.sequence_time(bytes_per_rank=[2000, 2000], gaps_s=[inf, 0.001], world=2)
+    assert half == pytest.approx(idle + 0.5 * idle + 0.5 * spent)
+    no_burst = MeasuredLink(points=pts)
+    assert no_burst.sequence_time(bytes_per_rank=[2000, 2000], gaps_s=[inf, 0.0], world=2) == pytest.approx(2 * idle)
+
+
+def test_measured_link_from_probe_prefers_idle_singles_and_the_testbeds_burst():
+    from tools.testbed.sim_testbed import MeasuredLink, shaper_burst
+
+    both = _probe([(1000, 0.002), (3000, 0.004)])
+    both["cases"] |= {"s1000": {"pattern": "sync", "bytes_per_rank": [1000], "median_s": 0.5},
+                      "s3000": {"pattern": "sync", "bytes_per_rank": [3000], "median_s": 0.9}}
+    link = MeasuredLink.from_probe(both, rate="1gbit")
+    assert link.points == ((1000, 0.002), (3000, 0.004))  # the multi-gather case is no point
+    assert (link.burst_bytes, link.refill_s) == (262144.0, pytest.approx(262144 / 125e6))
+    assert MeasuredLink.from_probe(_probe([(1000, 0.5), (2000, 0.9)], kind="sync")).points == ((1000, 0.5), (2000, 0.9))
+    assert shaper_burst("10gbit") == (2.5e6, pytest.approx(0.002))
+
+
+def test_training_prediction_from_the_probe_the_runs_timers_and_bucket_sizes():
+    """Megatron's synchronous gather: bucket groups back to back on the probed link; CIERA: the
+    run's own codec timers, one size agreement, each payload gathered after the previous decode."""
+    from ciera.cost_model import CodecEstimate
+    from tools.testbed.sim_testbed import MeasuredLink, codec_speed, compressed_sequence, raw_sequence
+
+    cfg = _cfg()
+    del cfg["gather"]
+    cfg["gloo_probe"] = _probe([(16, 1e-4), (1 << 20, 0.01), (4 << 20, 0.05)])
+    it = 20e6 / 10 / 2  # 1 MB per rank per iteration
+    for t in cfg["train"][1:]:
+        t["timers_ms"] = {"params-all-gather": 9.0, "ciera-encode": 2.0, "ciera-decode": 1.0}
+        t["log_lines"] = ["CIERA all-gather on 3 bucket group(s): ...",
+                          "CIERA dense0.bucket0: selection -> delta (delta 9.0 us vs raw 18.0 us (400000 B/rank, world 2))"]
+    sim = predict(cfg)
+    link = MeasuredLink.from_probe(cfg["gloo_probe"], rate="1gbit")
+    buckets = [400000.0, 300000.0, 300000.0]  # the named one, the rest split equally
+    raw = raw_sequence(link, world=2, buckets=buckets)
+    assert raw == pytest.approx(link.sequence_time(bytes_per_rank=buckets, gaps_s=[float("inf"), 0, 0], world=2))
+    assert sim["train_gather"]["baseline:sync"] == pytest.approx(raw * 1e3)
+    est = CodecEstimate("exponent_reuse", wire_ratio=0.5,
+                        speed=codec_speed(shard_bytes=it, world=2, encode_ms=2.0, decode_ms=1.0))
+    agree = 3 * link.allgather_time(bytes_per_rank=16 * 3, world=2) / 3
+    c = compressed_sequence(link, world=2, buckets=buckets, estimate=est) + agree
+    wire = link.sequence_time(bytes_per_rank=[b / 2 for b in buckets],
+                              gaps_s=[float("inf"), 0.4e-3, 0.3e-3], world=2)  # each decode, 1 ms in all
+    assert c == pytest.approx(2e-3 + 1e-3 + wire + agree)
+    assert sim["train_gather"]["exponent_reuse:sync"] == pytest.approx(c * 1e3)
+    assert sim["train"]["exponent_reuse:sync"] == pytest.approx(100 + (c - raw) * 1e3)
+    assert "delta:sync" in sim["train"]  # its own timers: predicted without a gather benchmark
+
+
+def test_collate_pools_invocations_and_attaches_a_probe(tmp_path):
+    import json
+
+    from tools.testbed.collate import attach_probes, pool_train
+
+    cfg = _cfg()
+    a, b = (dict(cfg["train"][0], ms=x, ms_runs=[x, x + 2], timers_ms={"params-all-gather": x})
+            for x in (100.0, 110.0))
+    cfg["train"] = [a, b]
+    pool_train(cfg)
+    (t,) = cfg["train"]
+    assert t["ms_runs"] == [100.0, 102.0, 110.0, 112.0] and t["ms"] == 106.0
+    assert t["timers_ms"] == {"params-all-gather": 105.0}
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(_probe([(1, 1.0), (2, 2.0)])))
+    attach_probes([cfg], [f"2x1@1gbit={f}"])
+    assert cfg["gloo_probe"]["world"] == 2
+    with pytest.raises(SystemExit, match="no run"):
+        attach_probes([cfg], [f"2x2@1gbit={f}"])
+
+
+def test_link_probe_cases_parse_and_refuse_an_unknown_pattern():
+    from tools.testbed.link_probe import parse_case
+    from tools.testbed.sim_testbed import probe_cases
+
+    assert parse_case("plain:sync:10,20") == ("plain", "sync", [10, 20])
+    with pytest.raises(ValueError, match="pattern"):
+        parse_case("x:ring:10")
+    assert all(parse_case(c)[1] == "idle" for c in probe_cases())

@@ -10,9 +10,9 @@ For every layout (``HOSTSxRANKS``: 2x1, 2x2) and link rate (1, 2.5, 10 Gbit/s) i
   and each codec forced), overlapped (``--overlap-param-gather``) and synchronous; every run's
   per-iteration losses and final params sha256 compared exactly with the baseline's.
 
-Then the simulator (``tools/sim``) is fed each configuration (link measured by the plain gather,
-codec speeds measured by the CIERA gathers, the training run's bucket sizes) and its predictions
-are put next to the measured times. Writes ``results.json``, ``bench_cluster.md`` and
+Then the simulator (``tools/sim``) is fed each configuration (link: gloo's all-gather timed on the
+testbed per size, ``link_probe.py``; codec speeds: the CIERA gathers' and training runs' own timers;
+the training runs' bucket sizes) and its predictions are put next to the measured times. Writes ``results.json``, ``bench_cluster.md`` and
 ``bench_cluster.png`` under ``--out-dir``. Needs root (network namespaces).
 
     python tools/testbed/bench_cluster.py --out-dir outputs/bench-cluster            # everything (~1 h, 2 cores)
@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from tools.bench_training import model_flags  # noqa: E402
 from tools.testbed.netns import LinkSpec, Testbed, TestbedConfig, TestbedUnavailable, parse_rate  # noqa: E402
-from tools.testbed.sim_testbed import predict, probe_duplex, probe_latency, probe_link  # noqa: E402
+from tools.testbed.sim_testbed import PROBE_SIZES, predict, probe_duplex, probe_gloo, probe_latency, probe_link  # noqa: E402
 from tools.testbed.testbed import torchrun_command  # noqa: E402
 
 TRAIN_MODES = {
@@ -257,6 +257,9 @@ def main(argv=None) -> int:
                         "(e.g. '--grad-reduce-in-bf16 --timing-log-level 1')")
     p.add_argument("--repeats", type=int, default=2, help="training runs per mode, order rotated")
     p.add_argument("--no-gather", action="store_true")
+    p.add_argument("--gloo-probe-reps", type=int, default=15,
+                   help="repetitions of the link probe (link_probe.py: gloo all-gathers at every size of "
+                        "sim_testbed.PROBE_SIZES, the simulator's link input); 0: none")
     p.add_argument("--timeout", type=float, default=900, help="per launch")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one layout and rate")
     p.add_argument("--out-dir", type=Path, default=ROOT / "outputs" / "bench-cluster")
@@ -264,7 +267,7 @@ def main(argv=None) -> int:
     if a.smoke:
         a.layouts, a.rates, a.numel, a.gather_warmup, a.gather_steps = ["2x1"], ["1gbit"], 1 << 14, 3, 2
         a.hidden, a.experts, a.iters, a.train_modes, a.train_gather = 32, 2, 4, ["baseline", "auto"], ["overlap"]
-        a.repeats = 1
+        a.repeats, a.gloo_probe_reps = 1, min(a.gloo_probe_reps, 3)
     a.out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{platform.node()} {os.cpu_count()} cores, shared with other jobs",
@@ -287,6 +290,10 @@ def main(argv=None) -> int:
                         cfg["link_probe_bytes_per_s"] = probe_link(tb)
                         cfg["link_duplex_bytes_per_s"] = probe_duplex(tb)
                         cfg["link_latency_s"] = probe_latency(tb)
+                    if a.gloo_probe_reps:  # the simulator's link: gloo's all-gather per size, medians
+                        with locked(a.lock):
+                            cfg["gloo_probe"] = probe_gloo(tb, nproc=nproc, reps=a.gloo_probe_reps,
+                                                           sizes=PROBE_SIZES[:3] if a.smoke else PROBE_SIZES)
                     cfg["load_avg"] = [os.getloadavg()[0]]
                     print(f"== {layout} at {rate} (testbed {tb.name}): one TCP stream "
                           f"{cfg['link_probe_bytes_per_s'] / 1e6:.0f} MB/s, both ways at once "

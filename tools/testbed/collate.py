@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -48,6 +49,43 @@ def merge(files: list[Path]) -> tuple[list[dict], list[dict]]:
                     cfg[k] = r[k]
     cfgs = sorted(by_key.values(), key=lambda c: (c["layout"], parse_rate(c["rate"])))
     return cfgs, metas
+
+
+def pool_train(cfg: dict) -> None:
+    """One entry per (mode, gather) from several invocations' runs of one configuration: every
+    run's ms/iter pooled (median over all), each Megatron timer the median over the invocations,
+    sha256 and losses kept only where all agree."""
+    by: dict[tuple, list[dict]] = {}
+    for t in cfg["train"]:
+        by.setdefault((t["mode"], t["overlap"]), []).append(t)
+    pooled = []
+    for runs in by.values():
+        out = dict(runs[0])
+        out["ms_runs"] = [x for t in runs for x in (t.get("ms_runs") or [t["ms"]]) if x is not None]
+        out["ms"] = statistics.median(out["ms_runs"]) if out["ms_runs"] else None
+        names = {k for t in runs for k in (t.get("timers_ms") or {})}
+        out["timers_ms"] = {k: statistics.median(t["timers_ms"][k] for t in runs if k in (t.get("timers_ms") or {}))
+                            for k in names}
+        out["log_lines"] = sorted({line for t in runs for line in t.get("log_lines", [])})
+        if len({t["sha256"] for t in runs}) != 1 or len({tuple(t["losses"]) for t in runs}) != 1:
+            out["sha256"], out["losses"] = "repeats differ", []
+        pooled.append(out)
+    cfg["train"] = pooled
+
+
+def attach_probes(cfgs: list[dict], specs: list[str]) -> None:
+    """``LAYOUT@RATE=FILE``: that configuration's ``gloo_probe`` (where it has none of its own)."""
+    for spec in specs:
+        key, _, path = spec.partition("=")
+        layout, _, rate = key.partition("@")
+        if not path or not rate:
+            raise SystemExit(f"collate: --gloo-probe {spec!r}: expected LAYOUT@RATE=FILE")
+        probe = json.loads(Path(path).read_text())
+        hits = [c for c in cfgs if c["layout"] == layout and c["rate"] == rate]
+        if not hits:
+            raise SystemExit(f"collate: --gloo-probe {spec!r}: no run at {layout}@{rate}")
+        for c in hits:
+            c.setdefault("gloo_probe", probe)
 
 
 def errors(cfgs: list[dict]) -> tuple[list[str], list[float]]:
@@ -86,8 +124,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", nargs="+", type=Path)
     p.add_argument("--out-dir", type=Path, required=True)
+    p.add_argument("--pool", action="store_true",
+                   help="pool the runs of one mode across the files (median of all runs, timers' medians)")
+    p.add_argument("--gloo-probe", action="append", default=[], metavar="LAYOUT@RATE=FILE",
+                   help="link_probe.py JSON taken on that configuration's testbed (the simulator's link: "
+                        "sim_testbed.MeasuredLink), for runs that recorded none")
     a = p.parse_args(argv)
     cfgs, metas = merge(a.results)
+    attach_probes(cfgs, a.gloo_probe)
+    if a.pool:
+        for c in cfgs:
+            pool_train(c)
     single = single_core_speeds(cfgs)  # per rate: the codecs' speeds where ranks do not share cores
     for c in cfgs:
         c["sim"] = predict(c, single_core=single.get(c["rate"]) or next(iter(single.values()), None))

@@ -2,30 +2,38 @@
 
 Inputs are measured independently of the times being predicted:
 
-* the **link**: ``link_probe_bytes_per_s``, a one-stream TCP transfer between two testbed hosts
-  (``probe_link``), ``link_latency_s``, half a small-message TCP round trip (``probe_latency``), and the layout (hosts x ranks per host: ranks of one host share its link, as
-  :class:`ciera.cost_model.TwoLevelLink` with one NIC per node models it; ranks on one host talk over
-  loopback at ``LOOPBACK_BYTES_PER_S``);
-* the **codec speeds**: each codec's encode and decode seconds per gather, as the CIERA gathers
-  measured them (their own timers, not the gather's wall time);
-* the **payload sizes**: the wire bytes the gathers sent.
+* the **link**: preferably :class:`MeasuredLink`, gloo's all-gather timed on the testbed's host
+  pair by ``link_probe.py`` (:func:`probe_gloo`: single gathers per size after an idle link,
+  medians) with the shaper's burst (:func:`shaper_burst`); else gloo's fitted link
+  (``measure_link``) or the TCP probes (``probe_link``, ``probe_duplex``, ``probe_latency``) and
+  the layout (ranks of one host share its link, as :class:`ciera.cost_model.TwoLevelLink` with
+  one NIC per node models it; ranks on one host talk over loopback at ``LOOPBACK_BYTES_PER_S``);
+* the **codec speeds**: encode and decode seconds, from the codec's own timers (the gather
+  benchmark's slowest rank; a training run's ``ciera-encode`` / ``ciera-decode`` timers);
+* the **payload sizes**: the wire bytes the gathers sent, and the training buckets' sizes the
+  runs' selection lines name.
 
 Predicted per gather, with ``ciera.cost_model`` (the functions the gather's ``auto`` uses):
-plain = ``link.allgather_time``; codec = encode + ``allgather_time(wire)`` + decode (synchronous:
-the gather bench waits on each gather). Training, synchronous gather: baseline iteration minus the
-predicted plain gathers plus the predicted CIERA gathers of the same bytes (the timeline that
-applies when nothing overlaps on a CPU host: ``overlap_comm=False`` in ``tools/sim/timeline.py``).
+plain = ``link.allgather_time``; codec = encode + size agreement + ``allgather_time(wire)`` +
+decode (synchronous: the gather bench waits on each gather). Training: the measured baseline
+iteration minus its predicted param gathers plus the predicted CIERA gathers of the same bytes,
+both bucket group by bucket group as Megatron's synchronous gather runs them (:func:`raw_sequence`,
+:func:`compressed_sequence`): the serial timeline (``overlap_comm=False`` in
+``tools/sim/timeline.py``), which applies on this CPU testbed to overlapped runs too (their
+forward-backward grows by the whole gather: nothing hides).
 """
 
 from __future__ import annotations
 
+import bisect
+import json
+import os
+import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-
-import os
-import re
 
 from ciera.cost_model import (
     CodecEstimate, CodecSpeed, HostShare, LinkModel, TwoLevelLink, agreement_time, predict_compressed, predict_raw,
@@ -33,6 +41,119 @@ from ciera.cost_model import (
 
 LOOPBACK_BYTES_PER_S = 2e9
 """Ranks on one host exchange through loopback TCP; far faster than any shaped link here."""
+
+PROBE_SIZES = (4096, 65536, 262144, 524288, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20)
+"""Bytes per rank of the single gathers ``probe_gloo`` times (the link curve's points)."""
+
+
+@dataclass(frozen=True)
+class MeasuredLink:
+    """gloo's all-gather on a shaped testbed link as measured: the median seconds of one gather
+    per bytes per rank (``probe_gloo``: single gathers on the host pair itself, rotated, medians),
+    joined by straight lines. Duck-types :class:`ciera.cost_model.LinkModel` for the prediction
+    functions.
+
+    Why not latency + bytes / bandwidth: through a ``tbf`` the cost per byte grows with the
+    transfer. The shaper's burst (256 KiB at 1 Gbit/s) lets a short gather pass at line rate; a
+    long one fills the shaper's queue, loses segments (the probe counts thousands of fast
+    retransmits) and settles at ~70% of the one-way TCP rate. One affine fit is off by 20-50% at
+    one end or the other; the curve is exact at its points."""
+
+    points: tuple[tuple[float, float], ...]
+    """(bytes per rank, seconds), sorted by bytes, at least two; each a median single gather
+    after an idle link (the shaper's burst full)."""
+
+    world: int = 2
+    """Ranks of the probe: its gathers took ``world - 1`` ring steps."""
+
+    burst_bytes: float = 0.0
+    """The shaper's burst (``tbf burst``): bytes an idle link passes at line rate."""
+
+    refill_s: float = 0.0
+    """Seconds of idle link that refill the burst (``burst_bytes`` at the shaped rate)."""
+
+    def __post_init__(self):
+        if len(self.points) < 2 or any(b <= a for (a, _), (b, _) in zip(self.points, self.points[1:])):
+            raise ValueError(f"MeasuredLink: need >= 2 points with increasing bytes, got {self.points}")
+        if self.world < 2 or any(t <= 0 for _, t in self.points):
+            raise ValueError(f"MeasuredLink: world={self.world} must be >= 2 and every time > 0")
+
+    def step_time(self, nbytes: float) -> float:
+        """Seconds of one ring step of ``nbytes``: linear between the points; below the first, its
+        time scaled down to no less than half of it (a gather's fixed cost); above the last, the
+        last segment's slope."""
+        pts, steps = self.points, self.world - 1
+        if nbytes <= pts[0][0]:
+            return max(pts[0][1] / 2, pts[0][1] * nbytes / pts[0][0]) / steps
+        i = min(max(bisect.bisect_left([b for b, _ in pts], nbytes), 1), len(pts) - 1)
+        (b0, t0), (b1, t1) = pts[i - 1], pts[i]
+        return (t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)) / steps
+
+    def allgather_time(self, *, bytes_per_rank: float, world: int) -> float:
+        """Flat ring of ``world - 1`` steps of ``bytes_per_rank`` each, on an idle link."""
+        return (world - 1) * self.step_time(bytes_per_rank)
+
+    def sequence_time(self, *, bytes_per_rank: list[float], gaps_s: list[float], world: int) -> float:
+        """Link seconds of gathers one after the other, gather i of ``bytes_per_rank[i]`` after
+        ``gaps_s[i]`` seconds with the link idle. A gather right after another finds the burst
+        spent: it costs its fixed cost (the smallest point's time) plus what its bytes add to a
+        transfer already past the burst, ``step(b + burst) - step(burst)``; an idle gap refills the
+        burst in proportion (``gap / refill_s``, full at ``refill_s``), and the gather costs that
+        share of its idle-link time and the rest of its spent-burst time."""
+        total, fixed = 0.0, self.points[0][1] / (self.world - 1)
+        for b, gap in zip(bytes_per_rank, gaps_s, strict=True):
+            idle = self.step_time(b)
+            full = 1.0 if self.refill_s <= 0 else min(1.0, max(0.0, gap) / self.refill_s)
+            spent = fixed + self.step_time(b + self.burst_bytes) - self.step_time(self.burst_bytes)
+            total += full * idle + (1.0 - full) * spent
+        return (world - 1) * total
+
+    @classmethod
+    def from_probe(cls, probe: dict, *, rate: str | None = None) -> "MeasuredLink":
+        """From ``link_probe.py``'s JSON: its single-gather cases, those after an idle wait
+        (``idle``) where it has them, else the back-to-back ones (``sync``); the burst from the
+        testbed's shaping ``rate`` (:func:`shaper_burst`)."""
+        singles = [c for c in probe["cases"].values() if len(c["bytes_per_rank"]) == 1]
+        kind = "idle" if any(c["pattern"] == "idle" for c in singles) else "sync"
+        pts = sorted((c["bytes_per_rank"][0], c["median_s"]) for c in singles if c["pattern"] == kind)
+        burst, refill = shaper_burst(rate) if rate else (0.0, 0.0)
+        return cls(points=tuple(pts), world=probe.get("world", 2), burst_bytes=burst, refill_s=refill)
+
+
+def shaper_burst(rate: str) -> tuple[float, float]:
+    """(burst bytes, refill seconds) of the testbed's ``tbf`` at ``rate`` (``netns._shape``: burst
+    ``max(256 KiB, 2 ms at the rate)``)."""
+    from tools.testbed.netns import parse_rate
+
+    bytes_per_s = parse_rate(rate) / 8
+    burst = max(256 * 1024, int(bytes_per_s * 0.002))
+    return float(burst), burst / bytes_per_s
+
+
+def probe_cases(sizes=PROBE_SIZES) -> list[str]:
+    """``link_probe.py --case`` arguments: one single gather per size, each after an idle wait
+    (``--idle``: longer than the shaper's refill) so that each finds the burst full."""
+    return [f"one_{b}:idle:{b}" for b in sizes]
+
+
+def probe_gloo(tb, *, nproc: int, sizes=PROBE_SIZES, reps: int = 15, timeout: float = 300) -> dict:
+    """gloo's all-gather timed on the testbed itself (``link_probe.py`` under torchrun on every
+    host; the same launch as the runs it predicts): medians per size, and TCP retransmit counts."""
+    from tools.testbed.testbed import torchrun_command
+
+    root = Path(__file__).resolve().parents[2]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "probe.json"
+        script = [str(root / "tools/testbed/link_probe.py"), "--reps", str(reps), "--idle", "0.01", "--out", str(out)]
+        for c in probe_cases(sizes):
+            script += ["--case", c]
+        cmds = [torchrun_command(tb, i, nproc_per_node=nproc, port=29410, script=script) for i in range(tb.hosts)]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        codes = tb.run_all(cmds, timeout=timeout, env=env, log_dir=Path(tmp))
+        if any(codes):
+            logs = [(Path(tmp) / f"host{i}.log").read_text(errors="replace")[-2000:] for i in range(tb.hosts)]
+            raise RuntimeError(f"link probe failed {codes}: {logs}")
+        return json.loads(out.read_text())
 
 
 def probe_link(tb, *, nbytes: int = 32 << 20, port: int = 29502, timeout: float = 120) -> float:
@@ -105,7 +226,8 @@ def probe_latency(tb, *, rounds: int = 200, port: int = 29503, timeout: float = 
 def link_for(cfg: dict) -> LinkModel | TwoLevelLink:
     """The link the predictions use.
 
-    Preferred: gloo's own all-gather fitted at smaller sizes than the timed gathers
+    Preferred: :class:`MeasuredLink`, gloo's all-gather timed on this testbed's host pair at the
+    sizes that matter (``cfg['gloo_probe']``, :func:`probe_gloo`). Next: gloo's own all-gather fitted at smaller sizes than the timed gathers
     (``gather.gloo_link``, :func:`ciera.cost_model.measure_link`, what ``auto`` measures at run
     time): a flat ring of ``world - 1`` steps whose per-byte cost includes what TCP probes miss
     (gloo moves one stream per peer in chunks and pays its own copies; on this testbed a single
@@ -114,6 +236,8 @@ def link_for(cfg: dict) -> LinkModel | TwoLevelLink:
     Otherwise, from the TCP probes: gloo's all-gather is one flat ring over every rank (ranks fill
     hosts in order), each step paced by the host link, which carries data both ways at once: the
     duplex probe's rate when measured (``link_duplex_bytes_per_s``), else the one-way stream's."""
+    if cfg.get("gloo_probe"):
+        return MeasuredLink.from_probe(cfg["gloo_probe"], rate=cfg.get("rate"))
     fit = (cfg.get("gather") or {}).get("gloo_link")
     if fit:
         return LinkModel(fit["bandwidth_bytes_per_s"], fit["latency_s"])
@@ -194,18 +318,19 @@ def predict(cfg: dict, *, single_core: dict[str, CodecSpeed] | None = None) -> d
             elif shared:
                 continue  # no single-core figure for this codec: no prediction
             else:
-                speeds[name] = codec_speed(shard_bytes=shard, world=world, encode_ms=s["encode_ms"],
-                                           decode_ms=s["decode_ms"])
+                # the slowest rank's codec times where recorded: the collective waits for it
+                speeds[name] = codec_speed(shard_bytes=shard, world=world,
+                                           encode_ms=s.get("encode_ms_max", s["encode_ms"]),
+                                           decode_ms=s.get("decode_ms_max", s["decode_ms"]))
             est = CodecEstimate(name, wire_ratio=s["wire_bytes"] / s["raw_bytes"], speed=speeds[name])
             out["gather"][m] = compressed(shard=shard, world=world, est=est) * 1e3
     world = cfg["hosts"] * cfg["nproc"]
     gathers = cfg.get("model", {}).get("iters", 0) + 1
     out["train_gather"] = {}  # one iteration's param gathers (Megatron's params-all-gather timer, sync)
     it_shard = iteration_bytes_per_rank(cfg)
-    nb = train_buckets(cfg)  # each bucket group is its own gather: its own ring steps
 
-    def raw_iteration(shard):
-        return nb * predict_raw(raw_bytes_per_rank=shard / nb, world=world, link=link).total_s
+    def raw_iteration(shard):  # each bucket group its own gather, one after the other
+        return raw_sequence(link, world=world, buckets=train_bucket_bytes(cfg, shard))
     for t in cfg.get("train", []):
         base = next((b for b in cfg["train"] if b["mode"] == "baseline" and b["overlap"] == t["overlap"]), None)
         if not base or not base["ms"]:
@@ -216,19 +341,81 @@ def predict(cfg: dict, *, single_core: dict[str, CodecSpeed] | None = None) -> d
             if it_shard:
                 out["train_gather"][key] = raw_iteration(it_shard) * 1e3
             continue
-        name = t["mode"] if t["mode"] in speeds else (g["modes"].get("auto", {}).get("codec") if g else None)
-        if name not in speeds:
-            continue
         shard = t["raw_mb"] * 1e6 / gathers / world  # each rank's bytes of one iteration's buckets
-        raw_s = raw_iteration(shard)
-        est = CodecEstimate(name, wire_ratio=t["wire_mb"] / t["raw_mb"], speed=speeds[name])
-        # one size agreement per step, shared by the buckets; each bucket's payload its own gather
-        agree = agreement_time(link=link, world=world, buckets=nb) * nb * (host.slowdown if shared else 1.0)
-        c_s = nb * predict_compressed(raw_bytes_per_rank=shard / nb, world=world, link=link, estimate=est,
-                                      host=host if shared else None).total_s + agree
-        out["train"][key] = base["ms"] + (c_s - raw_s) * 1e3
+        own = run_codec_speed(t, shard_bytes=shard, world=world)
+        name = t["mode"] if t["mode"] in speeds else (g["modes"].get("auto", {}).get("codec") if g else None)
+        if own is None and name not in speeds:
+            continue
+        scale = shared and own is None  # single-core speeds: x the share; the run's own timers have it
+        est = CodecEstimate(t["mode"], wire_ratio=t["wire_mb"] / t["raw_mb"], speed=own or speeds[name])
+        buckets = train_bucket_bytes(cfg, shard)
+        # serial (Megatron's synchronous gather; on this CPU testbed the overlapped one hides
+        # nothing either): every bucket encoded, ONE size agreement, then each bucket group
+        # gathered in turn and decoded as it completes
+        agree = agreement_time(link=link, world=world, buckets=len(buckets)) * len(buckets) * (
+            host.slowdown if scale else 1.0)
+        c_s = compressed_sequence(link, world=world, buckets=buckets, estimate=est,
+                                  host=host if scale else None) + agree
+        out["train"][key] = base["ms"] + (c_s - raw_iteration(shard)) * 1e3
         out["train_gather"][key] = c_s * 1e3
     return out
+
+
+def raw_sequence(link, *, world: int, buckets: list[float]) -> float:
+    """Seconds of Megatron's synchronous gather of ``buckets`` (bytes per rank): one gather per
+    bucket group, each started as the previous one ends (on a :class:`MeasuredLink`: the first
+    after the optimizer step's idle link, the rest back to back)."""
+    if isinstance(link, MeasuredLink):
+        return link.sequence_time(bytes_per_rank=buckets, gaps_s=[float("inf")] + [0.0] * (len(buckets) - 1),
+                                  world=world)
+    return sum(predict_raw(raw_bytes_per_rank=b, world=world, link=link).total_s for b in buckets)
+
+
+def compressed_sequence(link, *, world: int, buckets: list[float], estimate: CodecEstimate,
+                        host: HostShare | None = None) -> float:
+    """Seconds of CIERA's synchronous gather of ``buckets`` (raw bytes per rank), size agreement
+    excluded: every bucket encoded, then each bucket group's payload gathered in turn and decoded
+    as it completes (``predict_compressed`` per bucket). On a :class:`MeasuredLink` the link sits
+    idle during the encode before the first payload and during each decode before the next."""
+    per = [predict_compressed(raw_bytes_per_rank=b, world=world, link=link, estimate=estimate, host=host)
+           for b in buckets]
+    if not isinstance(link, MeasuredLink):
+        return sum(p.total_s for p in per)
+    wire = [b * estimate.wire_ratio for b in buckets]
+    gaps = [float("inf")] + [p.decode_s for p in per[:-1]]
+    return sum(p.encode_s + p.decode_s for p in per) + link.sequence_time(bytes_per_rank=wire, gaps_s=gaps,
+                                                                          world=world)
+
+
+def run_codec_speed(t: dict, *, shard_bytes: float, world: int) -> CodecSpeed | None:
+    """The codec's speed in one training run, from its own timers (``ciera-encode`` and
+    ``ciera-decode``: the slowest rank's ms per iteration, ``--timing-log-level`` >= 1) over the
+    iteration's ``shard_bytes`` per rank; None without them."""
+    tm = t.get("timers_ms") or {}
+    enc, dec = tm.get("ciera-encode"), tm.get("ciera-decode")
+    if not enc or not dec:
+        return None
+    return codec_speed(shard_bytes=shard_bytes, world=world, encode_ms=enc, decode_ms=dec)
+
+
+BUCKET_BYTES = re.compile(r"CIERA (\S+): selection -> .*\((\d+) B/rank")
+
+
+def train_bucket_bytes(cfg: dict, shard: float) -> list[float]:
+    """Each bucket group's raw bytes per rank of one iteration, summing to ``shard``: the sizes the
+    runs' selection lines name (``... (2097152 B/rank, world 2)``), the rest split equally over the
+    buckets they do not name; without any, ``train_buckets`` equal ones."""
+    nb = train_buckets(cfg)
+    named: dict[str, int] = {}
+    for t in cfg.get("train", []):
+        for line in t.get("log_lines", []):
+            if m := BUCKET_BYTES.search(line):
+                named.setdefault(m.group(1), int(m.group(2)))
+    known = list(named.values())[:nb]
+    rest = shard - sum(known)
+    if len(known) >= nb or rest <= 0:
+        return [shard / nb] * nb
+    return [float(b) for b in known] + [rest / (nb - len(known))] * (nb - len(known))
 
 
 BUCKETS = re.compile(r"CIERA all-gather on (\d+) bucket group")
@@ -260,11 +447,12 @@ def predict_baseline(cfg: dict, ref: dict, *, overlap: bool) -> float | None:
     what the all-gather does), each on its own configuration's measured gloo link."""
     base = next((b["ms"] for b in ref.get("train", []) if b["mode"] == "baseline" and b["overlap"] == overlap), None)
     shard = iteration_bytes_per_rank(ref) or iteration_bytes_per_rank(cfg)
-    if base is None or shard is None or not cfg.get("gather") or not ref.get("gather"):
+    measured = [c.get("gloo_probe") or c.get("gather") for c in (cfg, ref)]  # a gloo link for both
+    if base is None or shard is None or not all(measured):
         return None
     world = cfg["hosts"] * cfg["nproc"]
 
-    def comm(c):
-        return 2 * predict_raw(raw_bytes_per_rank=shard, world=world, link=link_for(c)).total_s * 1e3
+    def comm(c):  # bucket by bucket, as the iteration gathers and reduce-scatters them
+        return 2 * raw_sequence(link_for(c), world=world, buckets=train_bucket_bytes(ref, shard)) * 1e3
 
     return base + comm(cfg) - comm(ref)
