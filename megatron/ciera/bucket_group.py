@@ -16,7 +16,10 @@ handle keeps upstream's gather, announced by one log line.
 Per step: the optimizer's step marks the bucket groups it wrote; the first gather of a process
 group after that (or :func:`prepare_param_gathers`, right after the optimizer step) encodes every
 written bucket of the group and agrees all their payload sizes in ONE small collective; each
-written group is then gathered exactly once, and a group nobody wrote is not gathered again.
+written group is then gathered exactly once, and a group nobody wrote is not gathered again. A
+synchronous request starts the gathers of every prepared group of its process group at once
+(each later request only waits its own), so each decode overlaps the following transfers; the
+training loop's :func:`after_optimizer_step` finishes any whose request did not come.
 
 Invariant the gathers rely on: between two gathers of a bucket, only this rank's own shard of
 ``param_data`` changes (the optimizer writes it). Anything else that writes parameter buffers
@@ -34,8 +37,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["install", "uninstall", "invalidate_param_caches", "prepare_param_gathers", "bucket_stats",
-           "upstream_post_sync", "fallback_reason"]
+__all__ = ["install", "uninstall", "invalidate_param_caches", "prepare_param_gathers", "finish_param_gathers",
+           "after_optimizer_step", "bucket_stats", "upstream_post_sync", "fallback_reason"]
 
 _GATHER_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -109,13 +112,46 @@ class _Binding:
         selects the same groups in the same order (the written flags follow the same optimizer
         steps everywhere). Returns the number of buckets prepared."""
         todo = [bg for bg in self.groups if bg._ciera.process_group is process_group and bg._ciera.written
-                and not bg._ciera.prepared and bg.param_gather_handle is None]
+                and not bg._ciera.prepared and bg.param_gather_handle is None and bg._ciera.launched is None]
         gathers = [g for bg in todo for g in bg._ciera.gathers]
         if gathers:
             type(gathers[0]).prepare_many(gathers, group=process_group)
         for bg in todo:
             bg._ciera.prepared = True
         return len(gathers)
+
+    def launch(self, bucket_group, *, ahead: bool) -> "_GroupHandle":
+        """Start ``bucket_group``'s gathers (preparing its process group first if needed) and
+        return their handle. With ``ahead`` (a synchronous request), also start those of every
+        other prepared synchronous group of the same process group, in install order, each
+        keeping its handle for its own request: a group's decode then runs while the next groups'
+        bytes are on the wire, instead of each group's transfer waiting for the previous decode.
+        Every rank launches the same groups in the same order (the prepared flags are
+        rank-identical), so the collectives match."""
+        state = bucket_group._ciera
+        if not state.prepared:
+            self.prepare(state.process_group)
+        todo = [bucket_group]
+        if ahead:
+            todo += [bg for bg in self.groups if bg is not bucket_group and bg._ciera.process_group is state.process_group
+                     and bg._ciera.prepared and bg._ciera.launched is None
+                     and not bg.ddp_config.overlap_param_gather]
+        for bg in todo:
+            s = bg._ciera
+            s.launched = _GroupHandle([gather.start() for gather in s.gathers])
+            s.prepared = False
+            s.written = not self.tracks_writes
+        handle, state.launched = state.launched, None
+        return handle
+
+    def finish_launched(self) -> int:
+        """Wait for every group started ahead whose own request has not come (none, when upstream
+        asks for every group in the optimizer step, as it does). Returns how many it waited."""
+        pending = [bg for bg in self.groups if bg._ciera.launched is not None]
+        for bg in pending:
+            handle, bg._ciera.launched = bg._ciera.launched, None
+            handle.wait()
+        return len(pending)
 
 
 @dataclass
@@ -133,6 +169,9 @@ class _GroupState:
     :func:`invalidate_param_caches`, which sets it."""
     prepared: bool = False
     """Encoded and sizes agreed for the next gather."""
+    launched: object = None
+    """The handle of this group's gathers when an earlier group's synchronous request started
+    them ahead (:meth:`_Binding.launch`); this group's own request waits it."""
 
 
 def _start_param_sync(bucket_group, force_sync: bool = False):
@@ -155,12 +194,12 @@ def _start_param_sync(bucket_group, force_sync: bool = False):
         # Prevents a second gather into the same buffers while one is in flight.
         assert bucket_group.param_gather_handle is None
 
-    if state.written:
-        if not state.prepared:
-            state.binding.prepare(state.process_group)
-        handle = _GroupHandle([gather.start() for gather in state.gathers])
-        state.prepared = False
-        state.written = not state.binding.tracks_writes
+    if state.launched is not None:  # started ahead by an earlier group's synchronous request
+        handle, state.launched = state.launched, None
+        handle.wait()
+        bucket_group.param_gather_handle = None
+    elif state.written:
+        handle = state.binding.launch(bucket_group, ahead=not overlap)
         if overlap and not force_sync:
             bucket_group.param_gather_handle = handle
         else:
@@ -265,8 +304,27 @@ def _installed(ddp_models):
                 yield bucket_group
 
 
+def finish_param_gathers(ddp_models: Iterable) -> int:
+    """Wait for every gather started ahead and not yet waited (a synchronous request starts the
+    next groups' gathers too; each group's own request waits its own). Call after the optimizer
+    step: afterwards every parameter is gathered even if some group's request never came.
+    Returns the number of bucket groups it had to wait for (0 with upstream's optimizers)."""
+    bindings = {id(bg._ciera.binding): bg._ciera.binding for bg in _installed(ddp_models)}
+    return sum(b.finish_launched() for b in bindings.values())
+
+
+def after_optimizer_step(ddp_models: Iterable, *, overlap_param_gather: bool) -> None:
+    """The training loop's one call after ``optimizer.step()``: every synchronous gather started
+    ahead is finished (:func:`finish_param_gathers`); with overlapped gathers the new shards are
+    encoded now (:func:`prepare_param_gathers`), so the next forward's pre-hooks only launch."""
+    finish_param_gathers(ddp_models)
+    if overlap_param_gather:
+        prepare_param_gathers(ddp_models)
+
+
 def uninstall(ddp_models: Iterable) -> None:
     """Restore upstream's gather (waits for a gather in flight first)."""
+    finish_param_gathers(ddp_models)
     for bucket_group in list(_installed(ddp_models)):
         if bucket_group.param_gather_handle is not None:
             bucket_group.param_gather_handle.wait()
@@ -278,6 +336,7 @@ def uninstall(ddp_models: Iterable) -> None:
 def invalidate_param_caches(ddp_models: Iterable) -> None:
     """Make the next gather of every bucket raw (and due). Call on every rank after anything but
     the optimizer step wrote parameter buffers: checkpoint load, broadcast_params, offload/reload."""
+    finish_param_gathers(ddp_models)
     for bucket_group in _installed(ddp_models):
         bucket_group._ciera.written = True
         bucket_group._ciera.prepared = False

@@ -240,9 +240,8 @@ def _train_step(run: _Run, batches):
     timers("optimizer", log_level=1).start(barrier=args.barrier_with_L1_time)
     update_successful, grad_norm, num_zeros = run.optimizer.step()
     timers("optimizer").stop()
-    if run.ciera_config is not None and args.overlap_param_gather:
-        # Encode the new shards now; the next forward's pre-hooks only launch the gathers.
-        ciera_binding.prepare_param_gathers(run.model)
+    if run.ciera_config is not None:  # gathers started ahead finished; overlapped ones encoded now
+        ciera_binding.after_optimizer_step(run.model, overlap_param_gather=args.overlap_param_gather)
     if update_successful:
         run.scheduler.step(increment=args.global_batch_size)
     else:

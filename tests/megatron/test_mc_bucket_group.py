@@ -298,3 +298,39 @@ def test_chained_optimizers_gather_each_bucket_once_per_step(overlap):
         order = [e for e in FakeGather.log if e[0] in ("start", "agree")][:6]
         assert order[0] == ("agree", ("dense0.bucket0", "dense0.bucket1"))
         assert order[3] == ("agree", ("expert0.bucket0", "expert0.bucket1"))
+
+
+def test_synchronous_request_starts_every_prepared_group_ahead():
+    """Sync mode, three bucket groups on one process group: the first request agrees every written
+    bucket once and starts all three groups' gathers (so each decode overlaps the next transfers),
+    waiting only its own; the later requests wait theirs without starting anything again."""
+    bufs = [torch.zeros(16, dtype=torch.bfloat16) for _ in range(3)]
+    groups = [_grouped_buckets(False, b) for b in bufs]
+    shared = FakeGroup()
+    for g in groups:
+        g.intra_distributed_optimizer_instance_group = shared
+    ddp = fake_ddp(*groups)
+    opt = FakeDistOpt(bufs, [ddp], overlap=False)
+    binding.install([ddp], config="cfg", make_gather=FakeGather, optimizer=opt)
+    opt.step_with_ready_grads()
+    names = [f"dense{i}.bucket{j}" for i in range(3) for j in range(2)]
+    assert FakeGather.log[6:] == [("agree", tuple(names)), *(("start", n) for n in names), *(("wait", n) for n in names)]
+    assert all(torch.equal(b.param_data[4:], torch.full((4,), 7, dtype=torch.bfloat16)) for g in groups for b in g.buckets)
+    assert binding.finish_param_gathers([ddp]) == 0  # every group's own request came
+    assert all(g._ciera.launched is None and g.param_gather_dispatched for g in groups)
+
+
+def test_groups_started_ahead_are_finished_after_the_step_if_their_request_never_comes():
+    """An optimizer that asks for one group only: the others' gathers, started ahead, are waited
+    by after_optimizer_step, so no parameter is left ungathered into the next forward."""
+    bufs = [torch.zeros(16, dtype=torch.bfloat16) for _ in range(2)]
+    groups = [_grouped_buckets(False, b) for b in bufs]
+    groups[1].intra_distributed_optimizer_instance_group = groups[0].intra_distributed_optimizer_instance_group
+    ddp = fake_ddp(*groups)
+    binding.install([ddp], config="cfg", make_gather=FakeGather)
+    groups[0].start_param_sync()
+    assert groups[1]._ciera.launched is not None and ("wait", "dense1.bucket0") not in FakeGather.log
+    binding.after_optimizer_step([ddp], overlap_param_gather=False)
+    assert groups[1]._ciera.launched is None and ("wait", "dense1.bucket1") in FakeGather.log
+    groups[1].start_param_sync()  # its request now gathers afresh (no tracking: every request gathers)
+    assert [n for k, n in FakeGather.log if k == "start"].count("dense1.bucket0") == 2

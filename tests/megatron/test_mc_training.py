@@ -107,6 +107,11 @@ def test_expert_parallel_sync_resume(tmp_path):
 
 def test_fp32_accumulating_reduce_scatter_is_bit_identical():
     """--ddp-reduce-scatter-with-fp32-accumulation (upstream's all-to-all reduce-scatter: on gloo
-    also the one that moves the all-gather's bytes, not an all-reduce's) with bf16 gradients."""
-    flags = (*OVERLAP, "--grad-reduce-in-bf16", "--ddp-reduce-scatter-with-fp32-accumulation")
-    assert_identical(run(*flags), run(*flags, *CIERA))  # the flag reaching DDP: test_mc_arguments.py
+    also the one that moves the all-gather's bytes, not an all-reduce's) with bf16 gradients; the
+    testbed's configuration: synchronous param gathers of several bucket groups, which a request
+    starts all at once (megatron.ciera.bucket_group._Binding.launch)."""
+    flags = ("--overlap-grad-reduce", "--ddp-bucket-size", "20000", "--grad-reduce-in-bf16",
+             "--ddp-reduce-scatter-with-fp32-accumulation")
+    ciera = run(*flags, *CIERA)
+    assert_identical(run(*flags), ciera)  # the flag reaching DDP: test_mc_arguments.py
+    assert ciera.summary_block().count(".bucket0") > 1  # several bucket groups, gathered synchronously
