@@ -227,3 +227,22 @@ def test_link_probe_cases_parse_and_refuse_an_unknown_pattern():
     with pytest.raises(ValueError, match="pattern"):
         parse_case("x:ring:10")
     assert all(parse_case(c)[1] == "idle" for c in probe_cases())
+
+
+def test_gathers_started_at_once_decode_while_the_next_payloads_cross():
+    """ahead=True (the binding's synchronous launch): payloads back to back, each decode after its
+    own payload and the previous decode; never slower than the serial timeline, and equal to it
+    when decoding is free."""
+    from ciera.cost_model import CodecEstimate, CodecSpeed, LinkModel
+    from tools.testbed.sim_testbed import compressed_sequence
+
+    link = LinkModel(bandwidth_bytes_per_s=1e8, latency_s=0.0)
+    buckets = [1e6, 1e6, 1e6]  # 5 ms of wire each at wire ratio 0.5
+    est = CodecEstimate("delta", wire_ratio=0.5, speed=CodecSpeed(encode_bytes_per_s=1e9, decode_bytes_per_s=5e8))
+    serial = compressed_sequence(link, world=2, buckets=buckets, estimate=est)
+    ahead = compressed_sequence(link, world=2, buckets=buckets, estimate=est, ahead=True)
+    assert serial == pytest.approx(3e-3 + 3 * 5e-3 + 3 * 2e-3)  # encode, wire, decode in turn
+    assert ahead == pytest.approx(3e-3 + 3 * 5e-3 + 2e-3)  # only the last decode is exposed
+    free = CodecEstimate("delta", wire_ratio=0.5, speed=CodecSpeed(encode_bytes_per_s=1e30, decode_bytes_per_s=1e30))
+    assert compressed_sequence(link, world=2, buckets=buckets, estimate=free, ahead=True) == pytest.approx(
+        compressed_sequence(link, world=2, buckets=buckets, estimate=free))

@@ -325,6 +325,7 @@ def main(argv=None) -> int:
                                       + ("" if gather_ms is None else f", params-all-gather {gather_ms:.1f} ms"), flush=True)
                         for mode in a.train_modes:
                             cfg["train"].append(_merge(runs[mode]))
+                cfg["sync_launch_ahead"] = True  # the binding starts every synchronous group at once
                 cfg["model"] = {"hidden": a.hidden, "layers": a.layers, "experts": a.experts, "seq": a.seq, "dp": dp,
                                 "iters": a.iters, "bucket_size": a.bucket_size, "moe_ffn": a.moe_ffn,
                                 "extra_flags": a.extra_flags}

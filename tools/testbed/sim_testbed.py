@@ -26,6 +26,7 @@ forward-backward grows by the whole gather: nothing hides).
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import os
 import re
@@ -351,11 +352,12 @@ def predict(cfg: dict, *, single_core: dict[str, CodecSpeed] | None = None) -> d
         buckets = train_bucket_bytes(cfg, shard)
         # serial (Megatron's synchronous gather; on this CPU testbed the overlapped one hides
         # nothing either): every bucket encoded, ONE size agreement, then each bucket group
-        # gathered in turn and decoded as it completes
+        # gathered in turn and decoded as it completes; synchronous runs of a binding that starts
+        # every group at once decode while the next payloads cross
         agree = agreement_time(link=link, world=world, buckets=len(buckets)) * len(buckets) * (
             host.slowdown if scale else 1.0)
-        c_s = compressed_sequence(link, world=world, buckets=buckets, estimate=est,
-                                  host=host if scale else None) + agree
+        c_s = compressed_sequence(link, world=world, buckets=buckets, estimate=est, host=host if scale else None,
+                                  ahead=bool(cfg.get("sync_launch_ahead")) and not t["overlap"]) + agree
         out["train"][key] = base["ms"] + (c_s - raw_iteration(shard)) * 1e3
         out["train_gather"][key] = c_s * 1e3
     return out
@@ -372,19 +374,34 @@ def raw_sequence(link, *, world: int, buckets: list[float]) -> float:
 
 
 def compressed_sequence(link, *, world: int, buckets: list[float], estimate: CodecEstimate,
-                        host: HostShare | None = None) -> float:
+                        host: HostShare | None = None, ahead: bool = False) -> float:
     """Seconds of CIERA's synchronous gather of ``buckets`` (raw bytes per rank), size agreement
-    excluded: every bucket encoded, then each bucket group's payload gathered in turn and decoded
-    as it completes (``predict_compressed`` per bucket). On a :class:`MeasuredLink` the link sits
-    idle during the encode before the first payload and during each decode before the next."""
+    excluded: every bucket encoded, then the bucket groups' payloads gathered and decoded
+    (``predict_compressed`` per bucket).
+
+    ``ahead=False``: each group gathered in turn and decoded as it completes; on a
+    :class:`MeasuredLink` the link sits idle during the encode before the first payload and during
+    each decode before the next. ``ahead=True`` (the binding since ``_Binding.launch``): every
+    group's collective started at once, so the payloads cross back to back and each decode starts
+    once its payload has arrived and the previous decode is done."""
     per = [predict_compressed(raw_bytes_per_rank=b, world=world, link=link, estimate=estimate, host=host)
            for b in buckets]
+    wire = [b * estimate.wire_ratio for b in buckets]
+    encode = sum(p.encode_s for p in per)
+    if ahead:
+        if isinstance(link, MeasuredLink):
+            arrived = [link.sequence_time(bytes_per_rank=wire[: k + 1], gaps_s=[float("inf")] + [0.0] * k, world=world)
+                       for k in range(len(wire))]
+        else:
+            arrived = list(itertools.accumulate(p.comm_s for p in per))
+        done = 0.0
+        for p, t in zip(per, arrived):
+            done = max(done, t) + p.decode_s
+        return encode + done
     if not isinstance(link, MeasuredLink):
         return sum(p.total_s for p in per)
-    wire = [b * estimate.wire_ratio for b in buckets]
     gaps = [float("inf")] + [p.decode_s for p in per[:-1]]
-    return sum(p.encode_s + p.decode_s for p in per) + link.sequence_time(bytes_per_rank=wire, gaps_s=gaps,
-                                                                          world=world)
+    return encode + sum(p.decode_s for p in per) + link.sequence_time(bytes_per_rank=wire, gaps_s=gaps, world=world)
 
 
 def run_codec_speed(t: dict, *, shard_bytes: float, world: int) -> CodecSpeed | None:
