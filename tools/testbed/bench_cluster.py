@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tools.bench_training import model_flags  # noqa: E402
+from tools.bench_training import ITER_MS, model_flags  # noqa: E402
 from tools.testbed.netns import LinkSpec, Testbed, TestbedConfig, TestbedUnavailable, parse_rate  # noqa: E402
 from tools.testbed.sim_testbed import PROBE_SIZES, predict, probe_duplex, probe_gloo, probe_latency, probe_link  # noqa: E402
 from tools.testbed.testbed import torchrun_command  # noqa: E402
@@ -50,7 +50,6 @@ TRAIN_MODES = {
     "exponent_reuse": ["--ciera-allgather", "--ciera-selection", "always", "--ciera-codec", "exponent_reuse"],
     "delta": ["--ciera-allgather", "--ciera-selection", "always", "--ciera-codec", "delta"],
 }
-ITER_MS = re.compile(r"elapsed time per iteration \(ms\): ([\d.]+)")
 SHA = re.compile(r"^params sha256: ([0-9a-f]{64})$", re.M)
 TOTAL = re.compile(r"^total\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x", re.M)
 TIMER = re.compile(r"^\s+([a-z][a-z0-9-]+) \.*: \(([\d.]+), ([\d.]+)\)$", re.M)
