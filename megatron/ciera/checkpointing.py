@@ -700,18 +700,30 @@ def load(args: argparse.Namespace, *, model, optimizer, scheduler) -> int:
     if isinstance(state, tuple):  # the 'return_*' strictness modes also return the mismatching keys
         state, missing, unexpected = state
         _print0(f"checkpoint key mismatch: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+    def load_optimizer():
+        optimizer.load_state_dict(_fit_optimizer_layout(state["optimizer"], optimizer))
+
+    return _restore(args, plan, state, model=model, optimizer=optimizer, scheduler=scheduler,
+                    load_optimizer=load_optimizer if with_optimizer else None, with_rng=with_rng)
+
+
+def _restore(args, plan: _LoadPlan, state: dict, *, model, optimizer, scheduler, load_optimizer, with_rng: bool,
+             note: str = "") -> int:
+    """What both formats do with a loaded ``state``: the model; then the optimizer
+    (``load_optimizer()``) and scheduler, or without them the main parameters from the model; the
+    RNG (``with_rng``); the log line. Returns the iteration to continue from."""
     for key, chunk in _model_keys(model):
         _unwrap(chunk).load_state_dict(state[key], strict=args.dist_ckpt_strictness != "ignore_all")
-    if with_optimizer:
+    if load_optimizer is not None:
         with _torch_adam_step_fix(optimizer):
-            optimizer.load_state_dict(_fit_optimizer_layout(state["optimizer"], optimizer))
+            load_optimizer()
         scheduler.load_state_dict(state["opt_param_scheduler"])
     else:
         optimizer.reload_model_params()  # main (fp32) parameters from the loaded model
     if with_rng:
         _set_rng_state(state["rng_state"][0])
     iteration = 0 if args.finetune else int(state.get("iteration", plan.iteration))
-    _print0(f"loaded checkpoint {plan.folder} (iteration {plan.iteration})"
+    _print0(f"loaded checkpoint {plan.folder} (iteration {plan.iteration}{note})"
             + ("; --finetune: starting at iteration 0" if args.finetune else ""))
     return iteration
 
@@ -723,19 +735,12 @@ def _load_torch(args, plan: _LoadPlan, *, model, optimizer, scheduler) -> int:
     if saved_args is not None:
         _check_shapes(saved_args, args)
         torch_checkpoint.check_layout(saved_args, args)
-    for key, chunk in _model_keys(model):
-        _unwrap(chunk).load_state_dict(state[key], strict=args.dist_ckpt_strictness != "ignore_all")
+    def load_optimizer():
+        optimizer.load_state_dict(state["optimizer"])
+        optimizer.load_parameter_state(torch_checkpoint.optimizer_file(plan.folder))
+
     with_optimizer = not (args.finetune or args.no_load_optim) and "optimizer" in state
-    if with_optimizer:
-        with _torch_adam_step_fix(optimizer):
-            optimizer.load_state_dict(state["optimizer"])
-            optimizer.load_parameter_state(torch_checkpoint.optimizer_file(plan.folder))
-        scheduler.load_state_dict(state["opt_param_scheduler"])
-    else:
-        optimizer.reload_model_params()  # main (fp32) parameters from the loaded model
-    if not (args.finetune or args.no_load_rng) and "rng_state" in state:
-        _set_rng_state(state["rng_state"][0])
-    iteration = 0 if args.finetune else int(state.get("iteration", plan.iteration))
-    _print0(f"loaded checkpoint {plan.folder} (iteration {plan.iteration}, --ckpt-format torch)"
-            + ("; --finetune: starting at iteration 0" if args.finetune else ""))
-    return iteration
+    return _restore(args, plan, state, model=model, optimizer=optimizer, scheduler=scheduler,
+                    load_optimizer=load_optimizer if with_optimizer else None,
+                    with_rng=not (args.finetune or args.no_load_rng) and "rng_state" in state,
+                    note=", --ckpt-format torch")
