@@ -229,20 +229,26 @@ def test_link_probe_cases_parse_and_refuse_an_unknown_pattern():
     assert all(parse_case(c)[1] == "idle" for c in probe_cases())
 
 
-def test_gathers_started_at_once_decode_while_the_next_payloads_cross():
-    """ahead=True (the binding's synchronous launch): payloads back to back, each decode after its
-    own payload and the previous decode; never slower than the serial timeline, and equal to it
-    when decoding is free."""
+def test_gathers_started_at_once_in_waves_overlap_encode_decode_and_the_wire():
+    """waves >= 1 (the binding's synchronous launch): each wave encoded, agreed after the previous
+    wave's payloads, its payloads back to back while the host encodes the next wave; decodes after
+    the last launch, each once its payload is in. Never slower than the serial timeline; equal to
+    it when the codec is free."""
     from ciera.cost_model import CodecEstimate, CodecSpeed, LinkModel
     from tools.testbed.sim_testbed import compressed_sequence
 
     link = LinkModel(bandwidth_bytes_per_s=1e8, latency_s=0.0)
-    buckets = [1e6, 1e6, 1e6]  # 5 ms of wire each at wire ratio 0.5
+    buckets = [1e6] * 4  # 5 ms of wire each at wire ratio 0.5
     est = CodecEstimate("delta", wire_ratio=0.5, speed=CodecSpeed(encode_bytes_per_s=1e9, decode_bytes_per_s=5e8))
-    serial = compressed_sequence(link, world=2, buckets=buckets, estimate=est)
-    ahead = compressed_sequence(link, world=2, buckets=buckets, estimate=est, ahead=True)
-    assert serial == pytest.approx(3e-3 + 3 * 5e-3 + 3 * 2e-3)  # encode, wire, decode in turn
-    assert ahead == pytest.approx(3e-3 + 3 * 5e-3 + 2e-3)  # only the last decode is exposed
+    serial = compressed_sequence(link, world=2, buckets=buckets, estimate=est) + 1e-3
+    one = compressed_sequence(link, world=2, buckets=buckets, estimate=est, waves=1, agreement_s=1e-3)
+    two = compressed_sequence(link, world=2, buckets=buckets, estimate=est, waves=2, agreement_s=1e-3)
+    assert serial == pytest.approx(4e-3 + 1e-3 + 4 * 5e-3 + 4 * 2e-3)  # encode, agree, wire, decode in turn
+    assert one == pytest.approx(4e-3 + 1e-3 + 4 * 5e-3 + 2e-3)  # only the last decode is exposed
+    # wave 2 encoded (2 ms) during wave 1's 10 ms of wire, agreed after it; the decodes of wave 1
+    # (after both launches) overlap wave 2's wire
+    assert two == pytest.approx(2e-3 + 1e-3 + 10e-3 + 1e-3 + 10e-3 + 2e-3)
+    assert two < one < serial
     free = CodecEstimate("delta", wire_ratio=0.5, speed=CodecSpeed(encode_bytes_per_s=1e30, decode_bytes_per_s=1e30))
-    assert compressed_sequence(link, world=2, buckets=buckets, estimate=free, ahead=True) == pytest.approx(
-        compressed_sequence(link, world=2, buckets=buckets, estimate=free))
+    assert compressed_sequence(link, world=2, buckets=buckets, estimate=free, waves=1, agreement_s=1e-3) == \
+        pytest.approx(compressed_sequence(link, world=2, buckets=buckets, estimate=free) + 1e-3)

@@ -356,8 +356,9 @@ def predict(cfg: dict, *, single_core: dict[str, CodecSpeed] | None = None) -> d
         # every group at once decode while the next payloads cross
         agree = agreement_time(link=link, world=world, buckets=len(buckets)) * len(buckets) * (
             host.slowdown if scale else 1.0)
+        waves = 0 if t["overlap"] else int(cfg.get("sync_waves", 0))
         c_s = compressed_sequence(link, world=world, buckets=buckets, estimate=est, host=host if scale else None,
-                                  ahead=bool(cfg.get("sync_launch_ahead")) and not t["overlap"]) + agree
+                                  waves=waves, agreement_s=agree) + (0.0 if waves else agree)
         out["train"][key] = base["ms"] + (c_s - raw_iteration(shard)) * 1e3
         out["train_gather"][key] = c_s * 1e3
     return out
@@ -374,34 +375,55 @@ def raw_sequence(link, *, world: int, buckets: list[float]) -> float:
 
 
 def compressed_sequence(link, *, world: int, buckets: list[float], estimate: CodecEstimate,
-                        host: HostShare | None = None, ahead: bool = False) -> float:
-    """Seconds of CIERA's synchronous gather of ``buckets`` (raw bytes per rank), size agreement
-    excluded: every bucket encoded, then the bucket groups' payloads gathered and decoded
-    (``predict_compressed`` per bucket).
+                        host: HostShare | None = None, waves: int = 0, agreement_s: float = 0.0) -> float:
+    """Seconds of CIERA's synchronous gather of ``buckets`` (raw bytes per rank): the codec work
+    of ``predict_compressed`` per bucket, the payloads on ``link``.
 
-    ``ahead=False``: each group gathered in turn and decoded as it completes; on a
-    :class:`MeasuredLink` the link sits idle during the encode before the first payload and during
-    each decode before the next. ``ahead=True`` (the binding since ``_Binding.launch``): every
-    group's collective started at once, so the payloads cross back to back and each decode starts
-    once its payload has arrived and the previous decode is done."""
+    ``waves=0`` (the binding before launch-ahead), size agreement excluded: every bucket encoded,
+    then each bucket group gathered in turn and decoded as it completes; on a
+    :class:`MeasuredLink` the link sits idle during the encode before the first payload and
+    during each decode before the next.
+
+    ``waves >= 1`` (``megatron.ciera.bucket_group._Binding.launch``), ``agreement_s`` per
+    agreement included: the buckets are prepared in ``waves`` equal waves. A wave is encoded by
+    the host, agreed (after the previous wave's payloads have crossed: one collective queue per
+    group) and launched; its payloads cross back to back while the host encodes the next wave.
+    Once every wave is launched the host decodes each bucket in order, as soon as its payload has
+    arrived."""
     per = [predict_compressed(raw_bytes_per_rank=b, world=world, link=link, estimate=estimate, host=host)
            for b in buckets]
     wire = [b * estimate.wire_ratio for b in buckets]
-    encode = sum(p.encode_s for p in per)
-    if ahead:
-        if isinstance(link, MeasuredLink):
-            arrived = [link.sequence_time(bytes_per_rank=wire[: k + 1], gaps_s=[float("inf")] + [0.0] * k, world=world)
-                       for k in range(len(wire))]
-        else:
-            arrived = list(itertools.accumulate(p.comm_s for p in per))
-        done = 0.0
-        for p, t in zip(per, arrived):
-            done = max(done, t) + p.decode_s
-        return encode + done
+    if waves <= 0:
+        if not isinstance(link, MeasuredLink):
+            return sum(p.total_s for p in per)
+        gaps = [float("inf")] + [p.decode_s for p in per[:-1]]
+        return sum(p.encode_s + p.decode_s for p in per) + link.sequence_time(bytes_per_rank=wire, gaps_s=gaps,
+                                                                              world=world)
+    size = -(-len(per) // min(waves, len(per)))
+    host_t = link_t = 0.0  # when the host / the link is next free
+    arrived, sent, gaps = [], [], []
+    for w in range(0, len(per), size):
+        host_t += sum(p.encode_s for p in per[w: w + size])
+        start = max(host_t, link_t) + agreement_s  # the agreement queues behind the last payloads
+        host_t = start
+        for k in range(w, min(w + size, len(per))):
+            gaps.append(float("inf") if not sent else start - link_t if k == w else 0.0)
+            sent.append(wire[k])
+            link_t = max(link_t, start) + _next_transfer(link, world=world, sent=sent, gaps=gaps, per=per, k=k)
+            arrived.append(link_t)
+    for p, t in zip(per, arrived):
+        host_t = max(host_t, t) + p.decode_s
+    return host_t
+
+
+def _next_transfer(link, *, world: int, sent: list[float], gaps: list[float], per, k: int) -> float:
+    """Seconds the k-th payload of a sequence adds on the link: on a :class:`MeasuredLink` what it
+    adds to the sequence so far (the burst spent by the payloads before it, refilled by a gap);
+    else its own collective."""
     if not isinstance(link, MeasuredLink):
-        return sum(p.total_s for p in per)
-    gaps = [float("inf")] + [p.decode_s for p in per[:-1]]
-    return encode + sum(p.decode_s for p in per) + link.sequence_time(bytes_per_rank=wire, gaps_s=gaps, world=world)
+        return per[k].comm_s
+    before = link.sequence_time(bytes_per_rank=sent[:-1], gaps_s=gaps[:-1], world=world) if len(sent) > 1 else 0.0
+    return link.sequence_time(bytes_per_rank=sent, gaps_s=gaps, world=world) - before
 
 
 def run_codec_speed(t: dict, *, shard_bytes: float, world: int) -> CodecSpeed | None:
