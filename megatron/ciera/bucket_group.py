@@ -96,12 +96,6 @@ class _GroupHandle:
             handle.wait()
 
 
-CPU_WAVES = 2
-"""Size agreements per synchronous step on CPU (:meth:`_Binding.launch`): the second half of the
-bucket groups is encoded while the first half's payloads are on the wire. On CUDA the encode runs
-on a side stream and the host must not wait mid-step, so there is one agreement."""
-
-
 @dataclass
 class _Binding:
     """State shared by the bucket groups of one :func:`install`."""
@@ -112,13 +106,13 @@ class _Binding:
     """The optimizer's steps mark the bucket groups they write (``install(optimizer=...)``);
     otherwise every ``start_param_sync`` gathers."""
 
-    def prepare(self, process_group, *, only=None) -> int:
+    def prepare(self, process_group) -> int:
         """Encode every bucket of the written, not yet prepared bucket groups of ``process_group``
-        (of those in ``only``, if given) and agree all their sizes in ONE collective
-        (:func:`ciera.agreement.agree_sizes`). Every rank selects the same groups in the same order
-        (the written flags follow the same optimizer steps everywhere). Returns the number of
-        buckets prepared."""
-        todo = [bg for bg in self._preparable(process_group) if only is None or any(bg is o for o in only)]
+        and agree all their sizes in ONE collective (:func:`ciera.agreement.agree_sizes`). Every rank
+        selects the same groups in the same order (the written flags follow the same optimizer
+        steps everywhere). Returns the number of buckets prepared."""
+        todo = [bg for bg in self.groups if bg._ciera.process_group is process_group and bg._ciera.written
+                and not bg._ciera.prepared and bg.param_gather_handle is None and bg._ciera.launched is None]
         gathers = [g for bg in todo for g in bg._ciera.gathers]
         if gathers:
             type(gathers[0]).prepare_many(gathers, group=process_group)
@@ -126,50 +120,29 @@ class _Binding:
             bg._ciera.prepared = True
         return len(gathers)
 
-    def _preparable(self, process_group) -> list:
-        return [bg for bg in self.groups if bg._ciera.process_group is process_group and bg._ciera.written
-                and not bg._ciera.prepared and bg.param_gather_handle is None and bg._ciera.launched is None]
-
     def launch(self, bucket_group, *, ahead: bool) -> "_GroupHandle":
         """Start ``bucket_group``'s gathers (preparing its process group first if needed) and
-        return their handle.
-
-        With ``ahead`` (a synchronous request), also start those of every other synchronous group
-        of the same process group, in install order, each keeping its handle for its own request:
-        a group's decode then runs while the next groups' bytes are on the wire, instead of each
-        group's transfer waiting for the previous decode. On CPU, where the host itself encodes,
-        the groups are prepared in :data:`CPU_WAVES` waves, each with its own size agreement:
-        wave k+1 is encoded while wave k is on the wire. Every rank launches the same groups in
-        the same order (the written and prepared flags are rank-identical), so the collectives
-        match."""
-        state, pg = bucket_group._ciera, bucket_group._ciera.process_group
-        if not ahead:
-            if not state.prepared:
-                self.prepare(pg)
-            self._start([bucket_group])
-        else:
-            def sync(bgs):
-                return [bg for bg in bgs if bg is not bucket_group and not bg.ddp_config.overlap_param_gather]
-
-            if state.prepared:  # encoded already (one agreement covered them): start all that are
-                self._start([bucket_group] + sync(bg for bg in self.groups if bg._ciera.process_group is pg
-                                                  and bg._ciera.prepared and bg._ciera.launched is None))
-            else:
-                todo = [bucket_group] + sync(self._preparable(pg))
-                waves = CPU_WAVES if not bucket_group.buckets[0].param_data.is_cuda else 1
-                size = -(-len(todo) // min(waves, len(todo)))
-                for i in range(0, len(todo), size):
-                    self.prepare(pg, only=todo[i: i + size])
-                    self._start(todo[i: i + size])
-        handle, state.launched = state.launched, None
-        return handle
-
-    def _start(self, bucket_groups) -> None:
-        for bg in bucket_groups:
+        return their handle. With ``ahead`` (a synchronous request), also start those of every
+        other prepared synchronous group of the same process group, in install order, each
+        keeping its handle for its own request: a group's decode then runs while the next groups'
+        bytes are on the wire, instead of each group's transfer waiting for the previous decode.
+        Every rank launches the same groups in the same order (the prepared flags are
+        rank-identical), so the collectives match."""
+        state = bucket_group._ciera
+        if not state.prepared:
+            self.prepare(state.process_group)
+        todo = [bucket_group]
+        if ahead:
+            todo += [bg for bg in self.groups if bg is not bucket_group and bg._ciera.process_group is state.process_group
+                     and bg._ciera.prepared and bg._ciera.launched is None
+                     and not bg.ddp_config.overlap_param_gather]
+        for bg in todo:
             s = bg._ciera
             s.launched = _GroupHandle([gather.start() for gather in s.gathers])
             s.prepared = False
             s.written = not self.tracks_writes
+        handle, state.launched = state.launched, None
+        return handle
 
     def finish_launched(self) -> int:
         """Wait for every group started ahead whose own request has not come (none, when upstream

@@ -300,13 +300,10 @@ def test_chained_optimizers_gather_each_bucket_once_per_step(overlap):
         assert order[3] == ("agree", ("expert0.bucket0", "expert0.bucket1"))
 
 
-@pytest.mark.parametrize("waves", [1, 2])
-def test_synchronous_request_starts_every_prepared_group_ahead(waves, monkeypatch):
-    """Sync mode, three bucket groups on one process group: the first request starts all three
-    groups' gathers (so each decode overlaps the next transfers), waiting only its own; the later
-    requests wait theirs without starting anything again. One size agreement for all (CUDA), or on
-    CPU one per wave, the second wave encoded after the first is launched."""
-    monkeypatch.setattr(binding, "CPU_WAVES", waves)
+def test_synchronous_request_starts_every_prepared_group_ahead():
+    """Sync mode, three bucket groups on one process group: the first request agrees every written
+    bucket once and starts all three groups' gathers (so each decode overlaps the next transfers),
+    waiting only its own; the later requests wait theirs without starting anything again."""
     bufs = [torch.zeros(16, dtype=torch.bfloat16) for _ in range(3)]
     groups = [_grouped_buckets(False, b) for b in bufs]
     shared = FakeGroup()
@@ -317,11 +314,7 @@ def test_synchronous_request_starts_every_prepared_group_ahead(waves, monkeypatc
     binding.install([ddp], config="cfg", make_gather=FakeGather, optimizer=opt)
     opt.step_with_ready_grads()
     names = [f"dense{i}.bucket{j}" for i in range(3) for j in range(2)]
-    first, second = (names, []) if waves == 1 else (names[:4], names[4:])
-    expect = [("agree", tuple(first)), *(("start", n) for n in first)]
-    if second:
-        expect += [("agree", tuple(second)), *(("start", n) for n in second)]
-    assert FakeGather.log[6:] == expect + [("wait", n) for n in names]
+    assert FakeGather.log[6:] == [("agree", tuple(names)), *(("start", n) for n in names), *(("wait", n) for n in names)]
     assert all(torch.equal(b.param_data[4:], torch.full((4,), 7, dtype=torch.bfloat16)) for g in groups for b in g.buckets)
     assert binding.finish_param_gathers([ddp]) == 0  # every group's own request came
     assert all(g._ciera.launched is None and g.param_gather_dispatched for g in groups)

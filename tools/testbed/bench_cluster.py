@@ -39,7 +39,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from megatron.ciera.bucket_group import CPU_WAVES  # noqa: E402
 from tools.bench_training import ITER_MS, model_flags  # noqa: E402
 from tools.testbed.netns import LinkSpec, Testbed, TestbedConfig, TestbedUnavailable, parse_rate  # noqa: E402
 from tools.testbed.sim_testbed import PROBE_SIZES, predict, probe_duplex, probe_gloo, probe_latency, probe_link  # noqa: E402
@@ -325,8 +324,8 @@ def main(argv=None) -> int:
                                       + ("" if gather_ms is None else f", params-all-gather {gather_ms:.1f} ms"), flush=True)
                         for mode in a.train_modes:
                             cfg["train"].append(_merge(runs[mode]))
-                # the binding's synchronous timeline: every group started at once, prepared in waves
-                cfg["sync_waves"] = CPU_WAVES
+                # the binding's synchronous timeline: every group started at once, after one agreement
+                cfg["sync_waves"] = 1
                 cfg["model"] = {"hidden": a.hidden, "layers": a.layers, "experts": a.experts, "seq": a.seq, "dp": dp,
                                 "iters": a.iters, "bucket_size": a.bucket_size, "moe_ffn": a.moe_ffn,
                                 "extra_flags": a.extra_flags}
