@@ -421,6 +421,13 @@ def async_queue(args: argparse.Namespace):
     """megatron-core's queue of asynchronous saves under ``--async-save`` (``None`` without it)."""
     if not getattr(args, "async_save", False):
         return None
+    import importlib.util
+
+    # megatron-core's forked writer calls psutil before anything it guards: without it the writer
+    # dies, and the save waits for it forever
+    if importlib.util.find_spec("psutil") is None:
+        raise SystemExit("--async-save needs psutil (megatron-core's background checkpoint writer uses it): "
+                         "pip install psutil, or save without --async-save")
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
     return AsyncCallsQueue(persistent=False)

@@ -136,6 +136,17 @@ def test_async_save_is_published_only_once_written(one_rank_group, tmp_path):
         _async_save_scenario(tmp_path, torch, dist_checkpointing, ShardedTensor)
 
 
+def test_async_save_without_psutil_is_refused_at_start_up(monkeypatch):
+    """megatron-core's forked writer dies without psutil and its parent then waits forever: the
+    queue is refused up front, naming the package, instead of a save that never ends."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "psutil" else real(name, *a))
+    with pytest.raises(SystemExit, match="--async-save needs psutil"):
+        checkpointing.async_queue(argparse.Namespace(async_save=True))
+
+
 def _async_save_scenario(tmp_path, torch, dist_checkpointing, ShardedTensor):
     def state(value):
         return {"w": ShardedTensor.from_rank_offsets("w", torch.full((64,), value)), "iteration": 0}
