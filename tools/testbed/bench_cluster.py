@@ -128,7 +128,7 @@ def bench_train(tb, *, nproc, flags, mode, overlap, timeout, work: Path) -> dict
     losses = loss_log.read_text().split() if loss_log.exists() else []
     picked = sorted({line.strip()[:160] for line in text.splitlines()
                      if "ciera" in line.lower() and ("auto" in line.lower() or "select" in line.lower())
-                     and "iteration" not in line})[:6]
+                     and "iteration" not in line})[:40]
     return {"mode": mode, "overlap": overlap,
             "ms": statistics.median(per_interval[1:] or per_interval) if per_interval else None,
             "intervals_ms": per_interval, "sha256": sha.group(1) if sha else None, "losses": losses,
