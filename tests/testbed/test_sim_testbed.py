@@ -45,6 +45,12 @@ def test_sync_training_prediction_hand_computed():
     agree_ms = 16 / 1e8 * 1e3
     assert sim["train"]["exponent_reuse:sync"] == pytest.approx(100 - raw_ms + enc_ms + raw_ms / 2 + agree_ms + dec_ms)
     assert "delta:sync" not in sim["train"]  # no codec speeds measured for it
+    # with the baseline's own params-all-gather timer, that measured figure is taken out instead of
+    # the predicted raw gathers (the link as it was during the runs, not at the probe)
+    cfg = _cfg()
+    cfg["train"][0]["timers_ms"] = {"params-all-gather": 14.0}
+    timed = predict(cfg)
+    assert timed["train"]["exponent_reuse:sync"] == pytest.approx(sim["train"]["exponent_reuse:sync"] + raw_ms - 14.0)
 
 
 def test_report_flags_a_mismatch():

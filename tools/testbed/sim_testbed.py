@@ -16,7 +16,8 @@ Inputs are measured independently of the times being predicted:
 Predicted per gather, with ``ciera.cost_model`` (the functions the gather's ``auto`` uses):
 plain = ``link.allgather_time``; codec = encode + size agreement + ``allgather_time(wire)`` +
 decode (synchronous: the gather bench waits on each gather). Training: the measured baseline
-iteration minus its predicted param gathers plus the predicted CIERA gathers of the same bytes,
+iteration minus its param gathers (measured by its ``params-all-gather`` timer in synchronous runs,
+predicted otherwise) plus the predicted CIERA gathers of the same bytes,
 both bucket group by bucket group as Megatron's synchronous gather runs them (:func:`raw_sequence`,
 :func:`compressed_sequence`): the serial timeline (``overlap_comm=False`` in
 ``tools/sim/timeline.py``), which applies on this CPU testbed to overlapped runs too (their
@@ -359,7 +360,11 @@ def predict(cfg: dict, *, single_core: dict[str, CodecSpeed] | None = None) -> d
         waves = 0 if t["overlap"] else int(cfg.get("sync_waves", 0))
         c_s = compressed_sequence(link, world=world, buckets=buckets, estimate=est, host=host if scale else None,
                                   waves=waves, agreement_s=agree) + (0.0 if waves else agree)
-        out["train"][key] = base["ms"] + (c_s - raw_iteration(shard)) * 1e3
+        # the baseline's own gathers: its params-all-gather timer where it has one (synchronous
+        # runs; measured in the same invocation, so it carries the link as it was then), else
+        # predicted
+        timed = None if t["overlap"] else (base.get("timers_ms") or {}).get("params-all-gather")
+        out["train"][key] = base["ms"] + c_s * 1e3 - (timed if timed else raw_iteration(shard) * 1e3)
         out["train_gather"][key] = c_s * 1e3
     return out
 
