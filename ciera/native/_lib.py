@@ -29,6 +29,7 @@ ERRORS = {
     -6: "unsupported layout or arguments",
     -7: "out of memory",
     -8: "payload header is not a valid, non-overflowed payload of this codec and layout",
+    -9: "corrupt payload: the blocks' sizes do not add up to the header's needed bytes",
 }
 
 
@@ -112,7 +113,7 @@ def threads() -> int:
 
 def check(name: str, what: str, t: torch.Tensor, dtype: torch.dtype, numel: int | None = None) -> None:
     """Raise unless ``t`` is a contiguous CPU tensor of ``dtype`` (and ``numel`` values)."""
-    if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous() or (numel is not None and t.numel() != numel):
+    if not t.is_cpu or t.dtype != dtype or not t.is_contiguous() or (numel is not None and t.numel() != numel):
         raise ValueError(f"{name} (native): {what} must be a contiguous CPU {dtype} tensor"
                          + (f" of {numel} values" if numel is not None else "")
                          + f"; got {t.device} {t.dtype} of {t.numel()} values (contiguous={t.is_contiguous()})")
