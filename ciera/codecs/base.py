@@ -161,6 +161,9 @@ class Codec(abc.ABC):
         """Encode ``shard`` against ``state`` into ``out`` (uint8, its whole length is the
         capacity) and update ``state`` to ``shard``. Never writes past ``out``; reports overflow
         in the header."""
+        direct = self._direct(shard)
+        if direct is not None and direct.encode(shard=shard, state=state, out=out):
+            return
         self._check_shard(shard)
         cap = self._check_out(out)
         self._check_state(state)
@@ -172,6 +175,10 @@ class Codec(abc.ABC):
 
         ``header``: the payload's header already read on the host (saves a device sync);
         read from ``payload`` when omitted."""
+        if header is None:
+            direct = self._direct(target)
+            if direct is not None and direct.decode(payload=payload, target=target):
+                return
         self._check_shard(target, "target")
         self._check_payload(payload, header)
         self._impl("decode", target)(layout=self.layout, payload=payload, target_bits=as_bits(target))
@@ -202,6 +209,18 @@ class Codec(abc.ABC):
 
     def _check_state(self, state) -> None:
         """Raise when ``state`` is not what :meth:`new_state` returns for this codec."""
+
+    def _direct(self, t: torch.Tensor):
+        """The native codec's one-call encode/decode (header included) for tensors like ``t``
+        (:class:`ciera.native._lib.Direct`), or ``None``: not a CPU tensor, no native twin, or the
+        backend is not ``auto``/``native``. Made once per codec; same bytes as :meth:`_impl`'s."""
+        if not t.is_cpu:
+            return None
+        cache = self.__dict__
+        if "_direct_calls" not in cache:
+            native = self._native(t)
+            cache["_direct_calls"] = native.direct(self) if native is not None and hasattr(native, "direct") else None
+        return cache["_direct_calls"]
 
     def _impl(self, which: str, t: torch.Tensor):
         """The reference or, on CUDA (see :meth:`_use_triton`), the Triton twin of ``which``; on CPU

@@ -24,7 +24,7 @@
 #define CIERA_THREAD_ID() 0
 #endif
 
-#define CIERA_ABI 1
+#define CIERA_ABI 2
 #define CIERA_MAX_THREADS 256
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -1422,4 +1422,37 @@ int ciera_decode_many(int codec, const void *layout, const uint8_t *payloads, in
         if (r != CIERA_OK) return r;
     }
     return CIERA_OK;
+}
+
+/* ============================================================================================
+ * Codec.encode / Codec.decode on CPU in one call each: the header written / checked here, so the
+ * Python side does no tensor operation around the codec (each costs tens of microseconds once the
+ * codec's streams have left the caches: serial time that no thread count shortens).
+ * ============================================================================================ */
+
+/* Encodes and writes the header [magic|codec, flags, needed, capacity]; returns needed (the
+ * overflow flag set when it exceeds the capacity) or a negative error code. */
+int64_t ciera_encode(int codec, const void *layout, const void *shard, void *state, uint8_t *out, int64_t capacity,
+                     int threads) {
+    if (capacity < 32 || (codec != 1 && codec != 2)) return CIERA_E_ARGS;
+    int64_t needed = codec == 1 ? ciera_er_encode((const ciera_er_layout *)layout, shard, (uint8_t *)state, out,
+                                                  capacity, threads)
+                                : ciera_delta_encode((const ciera_delta_layout *)layout, shard, state, out, capacity,
+                                                     threads);
+    if (needed < 0) return needed;
+    int64_t h[4] = {(int64_t)((CIERA_MAGIC << 8) | codec), needed > capacity ? CIERA_FLAG_OVERFLOW : 0, needed,
+                    capacity};
+    memcpy(out, h, sizeof h);
+    return needed;
+}
+
+/* Checks the header as Codec.decode does (codec, not overflowed, needed within length), then
+ * decodes; CIERA_E_HEADER when the header is refused (the caller names the reason). */
+int ciera_decode(int codec, const void *layout, const uint8_t *payload, int64_t length, void *target, int threads) {
+    if (length < 32 || (codec != 1 && codec != 2)) return CIERA_E_HEADER;
+    int64_t h[4];
+    memcpy(h, payload, sizeof h);
+    if (h[0] != ((CIERA_MAGIC << 8) | codec) || (h[1] & CIERA_FLAG_OVERFLOW) || h[2] > length) return CIERA_E_HEADER;
+    return codec == 1 ? ciera_er_decode((const ciera_er_layout *)layout, payload, length, target, threads)
+                      : ciera_delta_decode((const ciera_delta_layout *)layout, payload, length, target, threads);
 }
