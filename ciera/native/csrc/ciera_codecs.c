@@ -1370,6 +1370,38 @@ int ciera_delta_decode(const ciera_delta_layout *l, const uint8_t *payload, int6
         owner[i] = q;
     }
     int64_t rc[CIERA_MAX_THREADS]; /* a forward chunk's end, the backward chunk's start, or an error */
+    if (rev && threads == 2) {
+        /* Two threads meet wherever they get to: thread 0 claims grains of blocks from the front,
+           thread 1 from the back (running backwards from data_end), one CAS on a shared
+           (front, back) pair per grain. Each thread's grains are consecutive, so its position runs
+           on; speed differences (a slower backward stream, a late or preempted thread) never leave
+           one waiting on the other's fixed half. */
+        const int64_t grain = (16 * 128 + B - 1) / B, ng = (nb + grain - 1) / grain;
+        uint64_t claims = (uint64_t)ng << 32; /* front grain in the low half, back bound in the high */
+#pragma omp parallel num_threads(2)
+        {
+            const int k = CIERA_THREAD_ID();
+            int64_t pos = k == 0 ? l->off_data : data_end;
+            for (;;) {
+                uint64_t w = __atomic_load_n(&claims, __ATOMIC_RELAXED), nw;
+                int64_t g;
+                do {
+                    const uint64_t f = w & 0xFFFFFFFFu, b = w >> 32;
+                    if (f >= b) goto claimed_all;
+                    g = (int64_t)(k == 0 ? f : b - 1);
+                    nw = k == 0 ? w + 1 : w - ((uint64_t)1 << 32);
+                } while (!__atomic_compare_exchange_n(&claims, &w, nw, 1, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED));
+                pos = delta_decode_chunk_dispatch(l, &wc, payload, length, target, g * grain,
+                                                  min64((g + 1) * grain, nb), pos, k);
+                if (pos < 0) break;
+            }
+        claimed_all:
+            rc[k] = pos;
+        }
+        if (rc[0] < 0) return (int)rc[0];
+        if (rc[1] < 0) return (int)rc[1];
+        return rc[0] == rc[1] ? CIERA_OK : CIERA_E_SIZES;
+    }
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int k = CIERA_THREAD_ID();
