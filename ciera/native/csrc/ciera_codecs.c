@@ -71,6 +71,12 @@ static int clamp_threads(int threads) {
     return 1;
 #else
     if (threads < 1) return 1;
+    /* Every region needs all the threads it asks for (chunk k is thread k's): never more than the
+       runtime grants (OMP_THREAD_LIMIT; a region nested deeper than the active levels allow runs
+       one thread). */
+    if (omp_get_active_level() >= omp_get_max_active_levels()) return 1;
+    int limit = omp_get_thread_limit();
+    if (threads > limit) threads = limit;
     return threads > CIERA_MAX_THREADS ? CIERA_MAX_THREADS : threads;
 #endif
 }
@@ -1378,6 +1384,7 @@ int ciera_delta_decode(const ciera_delta_layout *l, const uint8_t *payload, int6
            one waiting on the other's fixed half. */
         const int64_t grain = (16 * 128 + B - 1) / B, ng = (nb + grain - 1) / grain;
         uint64_t claims = (uint64_t)ng << 32; /* front grain in the low half, back bound in the high */
+        rc[1] = data_end; /* stays so if the runtime grants one thread: thread 0 then claims every grain */
 #pragma omp parallel num_threads(2)
         {
             const int k = CIERA_THREAD_ID();
