@@ -412,6 +412,24 @@ def test_direct_calls_equal_the_checked_path(name, dtype, threads, monkeypatch):
         codec.decode(payload=o, target=prev.clone())
 
 
+def test_fewer_threads_granted_than_asked():
+    """A runtime that grants fewer OpenMP threads than torch asks for (``OMP_THREAD_LIMIT=1``, read
+    at start-up: a fresh process) still gives the reference's bytes and bits: every parallel region
+    cuts its chunks for the threads it gets."""
+    code = ("import torch; torch.set_num_threads(3)\n"
+            "from ciera.codecs import make_codec, as_bits\n"
+            "n = 70_001; p = torch.randn(n).to(torch.bfloat16); q = (p.float() * 1.001).to(torch.bfloat16)\n"
+            "for name in ('delta', 'exponent_reuse'):\n"
+            "    c, r = (make_codec(name, dtype=torch.bfloat16, numel=n, backend=b) for b in ('native', 'torch'))\n"
+            "    o, w = (torch.zeros(c.clamp_capacity(c.max_bytes), dtype=torch.uint8) for _ in range(2))\n"
+            "    c.encode(shard=q, state=c.new_state(shard=p), out=o); r.encode(shard=q, state=r.new_state(shard=p), out=w)\n"
+            "    t = p.clone(); c.decode(payload=o, target=t)\n"
+            "    assert torch.equal(o, w) and torch.equal(as_bits(t), as_bits(q)), name\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_THREAD_LIMIT": "1"})
+    assert r.returncode == 0, r.stderr
+
+
 def test_missing_library_falls_back_with_one_log_line(monkeypatch, caplog):
     monkeypatch.setenv("CIERA_NATIVE", "0")
     _lib._load.cache_clear()
