@@ -8,9 +8,10 @@ compression ratio, and encode/decode throughput in raw GB/s and as a ratio to ``
 same shard, timed in the same loop. Every decode is checked bit for bit.
 
 On CPU (``--compare``, the default there) every codec runs as the pure-torch reference and as the
-native C twin at 1 and 2 threads, next to the lossless compressors a user would pick instead --
-ZipNN and zstd-3 on the raw values and on the XOR with the previous values (optional rows: ``pip
-install -e '.[peers]'``; skipped with a note where absent). Each time is the best of ``--repeats``
+native C twin at 1 and 2 threads (interleaved: every repeat runs each thread count in turn, so both
+see the same machine), next to the lossless compressors a user would pick instead -- ZipNN and
+zstd-3 on the raw values and on the XOR with the previous values (optional rows: ``pip install -e
+'.[peers]'``; skipped with a note where absent). Each time is the best of ``--repeats``
 runs (the machine may be shared), the median over the measured steps; clone() runs at one thread.
 Every measurement is taken on both clocks at once: wall time, and the process's CPU time over all
 its threads (what the work costs; the fair one-thread figure on a shared machine), one row each,
@@ -99,31 +100,44 @@ def _rows(*, name, impl, threads, block, raw, needed, enc, dec, clone):
 
 
 def bench_one(*, name, snaps, block_size, backend, device, repeats=1, threads=None, impl=None):
-    """Encode/decode every consecutive pair; returns a row of figures. ``threads``: torch's (and the
-    native codecs') thread count while the codec runs; clone() always runs at one thread. Returns a
-    wall-clock row and a CPU-time row."""
+    """Encode/decode every consecutive pair; returns a wall-clock row and a CPU-time row per thread
+    count. ``threads``: torch's (and the native codecs') thread count while the codec runs, or a
+    tuple of them, measured interleaved (every repeat of every step runs each count in turn, so
+    each count sees the same machine: a fair ratio on a shared one); clone() always runs at one
+    thread."""
     dtype, numel = snaps[0].dtype, snaps[0].numel()
     codec = make_codec(name, dtype=dtype, numel=numel, block_size=block_size, backend=backend)
     state = codec.new_state(shard=snaps[0])
     out = torch.empty(codec.clamp_capacity(codec.max_bytes), dtype=torch.uint8, device=device)
-    enc, dec, clone, needed = [], [], [], []
     before = torch.get_num_threads()
+    counts = tuple(threads) if isinstance(threads, (tuple, list)) else (threads or before,)
+    enc, dec = ({k: [] for k in counts} for _ in range(2))
+    clone, needed = [], []
+    inf = (float("inf"), float("inf"))
+    best = lambda a, b: (min(a[0], b[0]), min(a[1], b[1]))  # noqa: E731 (each clock's best on its own)
     for prev, new in zip(snaps, snaps[1:]):
         target = prev.clone()
         torch.set_num_threads(1)
         clone.append(_best(lambda: new.clone(), lambda: None, repeats, device))
-        torch.set_num_threads(threads or before)
-        enc.append(_best(lambda: codec.encode(shard=new, state=state, out=out),
-                         lambda: codec.reset_state(state=state, shard=prev), repeats, device))
-        header = out[:HEADER_BYTES].view(torch.int64).tolist()
-        needed.append(header[2])
-        dec.append(_best(lambda: codec.decode(payload=out, target=target), lambda: target.copy_(prev), repeats, device))
+        e, d = dict.fromkeys(counts, inf), dict.fromkeys(counts, inf)
+        for _ in range(repeats):
+            for k in counts:
+                torch.set_num_threads(k)
+                e[k] = best(e[k], _best(lambda: codec.encode(shard=new, state=state, out=out),
+                                        lambda: codec.reset_state(state=state, shard=prev), 1, device))
+                d[k] = best(d[k], _best(lambda: codec.decode(payload=out, target=target), lambda: target.copy_(prev),
+                                        1, device))
+                if not torch.equal(as_bits(target), as_bits(new)):
+                    raise AssertionError(f"{name}: decode is not bit-exact ({k} threads)")
         torch.set_num_threads(before)
-        if not torch.equal(as_bits(target), as_bits(new)):
-            raise AssertionError(f"{name}: decode is not bit-exact")
+        for k in counts:
+            enc[k].append(e[k])
+            dec[k].append(d[k])
+        needed.append(out[:HEADER_BYTES].view(torch.int64).tolist()[2])
         codec.reset_state(state=state, shard=new)
-    return _rows(name=name, impl=impl or backend, threads=threads or before, block=getattr(codec, "block_size", "-"),
-                raw=codec.raw_bytes, needed=needed, enc=enc, dec=dec, clone=clone)
+    return [row for k in counts for row in
+            _rows(name=name, impl=impl or backend, threads=k, block=getattr(codec, "block_size", "-"),
+                  raw=codec.raw_bytes, needed=needed, enc=enc[k], dec=dec[k], clone=clone)]
 
 
 # -- peers: what a user would otherwise run on the same data -------------------------------------
@@ -283,7 +297,8 @@ def main(argv=None) -> int:
             for row in new_rows:
                 self.append({"lr": lr, "load1": os.getloadavg()[0], **row})
             row = new_rows[0]
-            print(f"# done: lr {lr:g} {row['codec']} {row['impl']} x{row['threads']} "
+            ks = "/".join(str(k) for k in dict.fromkeys(r["threads"] for r in new_rows))
+            print(f"# done: lr {lr:g} {row['codec']} {row['impl']} x{ks} "
                   f"({len(self)} rows, {time.perf_counter() - t_start:.0f} s, load {load()})", file=sys.stderr, flush=True)
 
     rows, t_start = _Rows(), time.perf_counter()
@@ -307,9 +322,8 @@ def main(argv=None) -> int:
                 notes.append(f"# native rows skipped: {native_reason()}")
                 print(notes[-1])
                 continue
-            for k in args.threads:
-                rows.add(lr, bench_one(name=name, snaps=snaps, block_size=None, backend="native", device=device,
-                                       repeats=args.repeats, threads=k, impl="native"))
+            rows.add(lr, bench_one(name=name, snaps=snaps, block_size=None, backend="native", device=device,
+                                   repeats=args.repeats, threads=tuple(args.threads), impl="native"))
         for pname, compress, decompress in peers:
             for xor in (False, True):
                 rows.add(lr, bench_peer(name=pname, compress=compress, decompress=decompress, snaps=snaps, xor=xor,

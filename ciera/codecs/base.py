@@ -25,8 +25,10 @@ Invariants every codec keeps:
 from __future__ import annotations
 
 import abc
+import ctypes
 import importlib
 import os
+import struct
 from typing import ClassVar
 
 import torch
@@ -39,6 +41,8 @@ MAGIC = 0xC1E7A
 FLAG_OVERFLOW = 1
 
 _H_MAGIC, _H_FLAGS, _H_NEEDED, _H_CAPACITY = range(4)
+_HEADER = struct.Struct("<4q")
+"""The header's four little-endian int64 words, for host reads and writes of CPU payloads."""
 
 
 def align_up(n: int, a: int = ALIGN) -> int:
@@ -47,6 +51,12 @@ def align_up(n: int, a: int = ALIGN) -> int:
 
 def write_header(out: torch.Tensor, *, codec_id: int, needed: torch.Tensor | int, capacity: int) -> None:
     """Fill the 32-byte header of ``out``. ``needed`` may be a device tensor (no host sync)."""
+    if isinstance(needed, int) and out.is_cpu and out.is_contiguous() and out.numel() >= HEADER_BYTES:
+        # A host int into a CPU buffer: one 32-byte copy instead of a handful of tensor ops (each
+        # of which costs tens of microseconds after the codec's own streams have left the caches).
+        words = _HEADER.pack((MAGIC << 8) | codec_id, FLAG_OVERFLOW if needed > capacity else 0, needed, capacity)
+        ctypes.memmove(out.data_ptr(), words, HEADER_BYTES)
+        return
     header = out[:HEADER_BYTES].view(torch.int64)
     needed = torch.as_tensor(needed, dtype=torch.int64, device=out.device)
     header[_H_MAGIC] = (MAGIC << 8) | codec_id
@@ -78,8 +88,8 @@ def decode_many_loop(decode, *, layout, payloads: torch.Tensor, rows: torch.Tens
 class PayloadHeader:
     """Decoded view of one payload header (host side)."""
 
-    def __init__(self, words: torch.Tensor):
-        w = [int(x) for x in words.tolist()]
+    def __init__(self, words: torch.Tensor | tuple[int, ...]):
+        w = [int(x) for x in (words.tolist() if isinstance(words, torch.Tensor) else words)]
         self.magic, self.codec_id = w[_H_MAGIC] >> 8, w[_H_MAGIC] & 0xFF
         self.flags, self.needed, self.capacity = w[_H_FLAGS], w[_H_NEEDED], w[_H_CAPACITY]
 
@@ -151,6 +161,9 @@ class Codec(abc.ABC):
         """Encode ``shard`` against ``state`` into ``out`` (uint8, its whole length is the
         capacity) and update ``state`` to ``shard``. Never writes past ``out``; reports overflow
         in the header."""
+        direct = self._direct(shard)
+        if direct is not None and direct.encode(shard=shard, state=state, out=out):
+            return
         self._check_shard(shard)
         cap = self._check_out(out)
         self._check_state(state)
@@ -162,6 +175,10 @@ class Codec(abc.ABC):
 
         ``header``: the payload's header already read on the host (saves a device sync);
         read from ``payload`` when omitted."""
+        if header is None:
+            direct = self._direct(target)
+            if direct is not None and direct.decode(payload=payload, target=target):
+                return
         self._check_shard(target, "target")
         self._check_payload(payload, header)
         self._impl("decode", target)(layout=self.layout, payload=payload, target_bits=as_bits(target))
@@ -193,15 +210,36 @@ class Codec(abc.ABC):
     def _check_state(self, state) -> None:
         """Raise when ``state`` is not what :meth:`new_state` returns for this codec."""
 
+    def _direct(self, t: torch.Tensor):
+        """The native codec's one-call encode/decode (header included) for tensors like ``t``
+        (:class:`ciera.native._lib.Direct`), or ``None``: not a CPU tensor, no native twin, or the
+        backend is not ``auto``/``native``. Made once per codec; same bytes as :meth:`_impl`'s."""
+        if not t.is_cpu:
+            return None
+        cache = self.__dict__
+        if "_direct_calls" not in cache:
+            native = self._native(t)
+            cache["_direct_calls"] = native.direct(self) if native is not None and hasattr(native, "direct") else None
+        return cache["_direct_calls"]
+
     def _impl(self, which: str, t: torch.Tensor):
         """The reference or, on CUDA (see :meth:`_use_triton`), the Triton twin of ``which``; on CPU
         the native twin when built (see :meth:`_native`)."""
-        native = self._native(t)
-        if native is not None:
-            return getattr(native, f"{which}_native")
-        if self._use_triton(t):
-            return getattr(importlib.import_module(self.kernels), f"{which}_triton")
-        return getattr(type(self), f"{which}_reference")
+        # The choice depends only on the backend and the tensor's device: made once per device kind
+        # (the function itself is looked up on every call, so a patched module is honoured).
+        key = (t.is_cpu, t.is_cuda)
+        cache = self.__dict__.setdefault("_impl_sources", {})
+        source = cache.get(key)
+        if source is None:
+            native = self._native(t)
+            if native is not None:
+                source = (native, "_native")
+            elif self._use_triton(t):
+                source = (importlib.import_module(self.kernels), "_triton")
+            else:
+                source = (type(self), "_reference")
+            cache[key] = source
+        return getattr(source[0], which + source[1])
 
     # -- helpers for subclasses ----------------------------------------------------------------
     def _check_shard(self, shard: torch.Tensor, what: str = "shard") -> None:
@@ -225,7 +263,12 @@ class Codec(abc.ABC):
     def _check_payload(self, payload: torch.Tensor, header: PayloadHeader | None = None) -> PayloadHeader:
         if payload.dtype != torch.uint8 or payload.numel() < HEADER_BYTES:
             raise ValueError(f"{self.name}: payload must be uint8 with at least a header")
-        h = header or PayloadHeader(payload[:HEADER_BYTES].contiguous().view(torch.int64).cpu())
+        if header is not None:
+            h = header
+        elif payload.is_cpu and payload.is_contiguous():  # host bytes: no tensor ops
+            h = PayloadHeader(_HEADER.unpack(ctypes.string_at(payload.data_ptr(), HEADER_BYTES)))
+        else:
+            h = PayloadHeader(payload[:HEADER_BYTES].contiguous().view(torch.int64).cpu())
         if h.magic != MAGIC or h.codec_id != self.codec_id:
             raise ValueError(
                 f"{self.name}: payload header is not a {self.name} payload "

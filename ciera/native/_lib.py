@@ -13,7 +13,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ABI = 1
+ABI = 2
 """Must equal ``CIERA_ABI`` in csrc/ciera_codecs.c: a stale build is refused, not trusted."""
 
 _HERE = Path(__file__).resolve().parent
@@ -29,6 +29,7 @@ ERRORS = {
     -6: "unsupported layout or arguments",
     -7: "out of memory",
     -8: "payload header is not a valid, non-overflowed payload of this codec and layout",
+    -9: "corrupt payload: the blocks' sizes do not add up to the header's needed bytes",
 }
 
 
@@ -85,6 +86,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [_PTR, _PTR, _I64, _PTR, ctypes.c_int]
+    lib.ciera_encode.restype = _I64
+    lib.ciera_encode.argtypes = [ctypes.c_int, _PTR, _PTR, _PTR, _PTR, _I64, ctypes.c_int]
+    lib.ciera_decode.restype = ctypes.c_int
+    lib.ciera_decode.argtypes = [ctypes.c_int, _PTR, _PTR, _I64, _PTR, ctypes.c_int]
     lib.ciera_decode_many.restype = ctypes.c_int
     lib.ciera_decode_many.argtypes = [ctypes.c_int, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64,
                                       ctypes.c_int, ctypes.POINTER(_I64)]
@@ -112,7 +117,7 @@ def threads() -> int:
 
 def check(name: str, what: str, t: torch.Tensor, dtype: torch.dtype, numel: int | None = None) -> None:
     """Raise unless ``t`` is a contiguous CPU tensor of ``dtype`` (and ``numel`` values)."""
-    if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous() or (numel is not None and t.numel() != numel):
+    if not t.is_cpu or t.dtype != dtype or not t.is_contiguous() or (numel is not None and t.numel() != numel):
         raise ValueError(f"{name} (native): {what} must be a contiguous CPU {dtype} tensor"
                          + (f" of {numel} values" if numel is not None else "")
                          + f"; got {t.device} {t.dtype} of {t.numel()} values (contiguous={t.is_contiguous()})")
@@ -142,3 +147,48 @@ def decode_many(*, name: str, codec_id: int, clayout, bits_dtype: torch.dtype, n
         i = int(bad.value)
         where = (f"entry {i} (row {int(rows[i])}, offset {int(offsets[i])})" if 0 <= i < rows.numel() else "")
         raise ValueError(f"{name}: decode_many {where}: {ERRORS.get(int(rc), f'native error {rc}')}")
+
+
+class Direct:
+    """``Codec.encode`` / ``Codec.decode`` of one codec instance on CPU tensors, each one C call that
+    also writes / checks the payload header: no tensor operation around the codec.
+
+    Those operations (a header written through an int64 view, a header read back, a bits view)
+    cost tens of microseconds each once the codec's own streams have left the caches, which is
+    serial time that no thread count shortens (about a tenth of a 2-thread exponent_reuse call on
+    a 4M-value shard). Both methods return ``False``, having done nothing, when an argument is not
+    exactly what the call needs (the caller then takes the checked path, which names the problem)
+    and when the header is refused (idem); bytes, state and bits are those of the checked path
+    (tests/codecs/test_native.py compares them)."""
+
+    def __init__(self, *, codec_id: int, clayout, numel: int, dtype: torch.dtype, state_dtype: torch.dtype,
+                 fixed_bytes: int, name: str):
+        self._lib = library()
+        self._clayout = clayout  # kept alive: the C side reads it through its address
+        self._addr = ctypes.addressof(clayout)
+        self._id, self._n, self._dtype, self._sdtype, self._fixed, self._name = (
+            codec_id, numel, dtype, state_dtype, fixed_bytes, name)
+
+    def _ok(self, t: torch.Tensor, dtype: torch.dtype) -> bool:
+        return t.is_cpu and t.dtype == dtype and t.numel() == self._n and t.is_contiguous()
+
+    def encode(self, *, shard: torch.Tensor, state: torch.Tensor, out: torch.Tensor) -> bool:
+        cap = out.numel()
+        if not (self._ok(shard, self._dtype) and self._ok(state, self._sdtype) and out.is_cpu
+                and out.dtype == torch.uint8 and out.is_contiguous() and cap >= self._fixed and cap % 16 == 0):
+            return False
+        rc = self._lib.ciera_encode(self._id, self._addr, shard.data_ptr(), state.data_ptr(), out.data_ptr(), cap,
+                                    torch.get_num_threads())
+        raise_for(self._name, rc)
+        return True
+
+    def decode(self, *, payload: torch.Tensor, target: torch.Tensor) -> bool:
+        if not (self._ok(target, self._dtype) and payload.is_cpu and payload.dtype == torch.uint8
+                and payload.is_contiguous() and payload.dim() == 1):
+            return False
+        rc = self._lib.ciera_decode(self._id, self._addr, payload.data_ptr(), payload.numel(), target.data_ptr(),
+                                    torch.get_num_threads())
+        if rc == -8:  # the header is refused: the checked path says why
+            return False
+        raise_for(self._name, rc)
+        return True

@@ -50,3 +50,10 @@ def decode_many_native(*, layout: DeltaLayout, payloads: torch.Tensor, rows: tor
     _lib.decode_many(name=NAME, codec_id=DeltaCodec.codec_id, clayout=_c_layout(layout),
                      bits_dtype=layout.fmt.bits_dtype, numel=layout.numel, payloads=payloads, rows=rows,
                      offsets=offsets, targets_bits=targets_bits)
+
+
+def direct(codec: DeltaCodec) -> _lib.Direct:
+    """``codec``'s encode and decode in one C call each (see :class:`ciera.native._lib.Direct`)."""
+    layout = codec.layout
+    return _lib.Direct(codec_id=DeltaCodec.codec_id, clayout=_c_layout(layout), numel=layout.numel, dtype=codec.dtype,
+                       state_dtype=layout.fmt.bits_dtype, fixed_bytes=codec.fixed_bytes, name=NAME)

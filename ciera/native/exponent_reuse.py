@@ -51,3 +51,10 @@ def decode_many_native(*, layout: ExponentReuseLayout, payloads: torch.Tensor, r
     _lib.decode_many(name=NAME, codec_id=ExponentReuseCodec.codec_id, clayout=_c_layout(layout),
                      bits_dtype=layout.fmt.bits_dtype, numel=layout.numel, payloads=payloads, rows=rows,
                      offsets=offsets, targets_bits=targets_bits)
+
+
+def direct(codec: ExponentReuseCodec) -> _lib.Direct:
+    """``codec``'s encode and decode in one C call each (see :class:`ciera.native._lib.Direct`)."""
+    layout = codec.layout
+    return _lib.Direct(codec_id=ExponentReuseCodec.codec_id, clayout=_c_layout(layout), numel=layout.numel, dtype=codec.dtype,
+                       state_dtype=torch.uint8, fixed_bytes=codec.fixed_bytes, name=NAME)

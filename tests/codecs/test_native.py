@@ -108,6 +108,7 @@ def compare_all_implementations(monkeypatch, request):
     from ciera.kernels import triton_available
 
     monkeypatch.setattr(Codec, "_impl", _comparing_impl(with_triton=slow and triton_available()))
+    monkeypatch.setattr(Codec, "_direct", lambda self, t: None)  # every call through _impl, compared
 
 
 # Long trajectories through the (slow) delta reference: compared in the --runslow run only; their
@@ -343,18 +344,90 @@ def test_errors_name_the_codec_and_reason():
 def test_dispatch_auto_native_torch(monkeypatch):
     seen = []
     mod = native.codec_module("exponent_reuse")
-    real = mod.decode_native
-    monkeypatch.setattr(mod, "decode_native", lambda **kw: seen.append(1) or real(**kw))
+    real, real_direct = mod.decode_native, _lib.Direct.decode
+    monkeypatch.setattr(mod, "decode_native", lambda **kw: seen.append("native") or real(**kw))
+    monkeypatch.setattr(_lib.Direct, "decode", lambda self, **kw: seen.append("direct") or real_direct(self, **kw))
     x = torch.randn(64).to(torch.bfloat16)
-    for backend, expect in (("auto", 1), ("native", 1), ("torch", 0)):
+    for backend, expect in (("auto", ["direct"]), ("native", ["direct"]), ("torch", [])):
         codec = make_codec("exponent_reuse", dtype=torch.bfloat16, numel=64, backend=backend)
         out = torch.empty(codec.clamp_capacity(codec.max_bytes), dtype=torch.uint8)
         codec.encode(shard=x, state=codec.new_state(shard=x), out=out)
         seen.clear()
         codec.decode(payload=out, target=x.clone())
-        assert len(seen) == expect, backend
+        assert seen == expect, backend
+        seen.clear()  # a header read on the host: the checked path, through decode_native
+        codec.decode(payload=out, target=x.clone(), header=codec._check_payload(out))
+        assert seen == (["native"] if expect else []), backend
     with pytest.raises(ValueError, match="'native'"):
         make_codec("delta", dtype=torch.bfloat16, numel=8, backend="numba")
+
+
+@pytest.mark.parametrize("name", NATIVE_CODECS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_direct_calls_equal_the_checked_path(name, dtype, threads, monkeypatch):
+    """``Codec.encode``/``decode``'s one-call native path (header written and checked in C) gives
+    the checked path's payload bytes (header included), state and bits, at 1..3 threads and on an
+    overflowing capacity; arguments it does not take and refused headers go to the checked path,
+    whose errors name the problem."""
+    n = 5_003
+    tr = AdamTrajectory(numel=n, dtype=dtype, lr=1e-4, seed=9)
+    prev = tr.step()
+    steps = [tr.step(), adversarial_step(prev, kind="replace", gen=torch.Generator().manual_seed(3))]
+    codec = make_codec(name, dtype=dtype, numel=n)
+    direct = codec._direct(prev)
+    assert direct is not None
+    full = codec.clamp_capacity(codec.max_bytes)
+    overflows = 0
+    for k in (1, 2, 3):
+        threads(k)
+        for new in steps:
+            for cap in (full, codec.clamp_capacity(codec.fixed_bytes)):  # the second may overflow
+                got, want = (torch.full((cap,), 0x3C, dtype=torch.uint8) for _ in range(2))
+                s_got, s_want = codec.new_state(shard=prev), codec.new_state(shard=prev)
+                assert direct.encode(shard=new, state=s_got, out=got)
+                with monkeypatch.context() as m:
+                    m.setattr(Codec, "_direct", lambda self, t: None)
+                    codec.encode(shard=new, state=s_want, out=want)
+                assert torch.equal(got, want) and torch.equal(s_got, s_want), (k, cap)
+                target = prev.clone()
+                overflowed = bool(int(got[8:16].view(torch.int64)[0]) & 1)
+                overflows += overflowed
+                assert direct.decode(payload=got, target=target) == (not overflowed)
+                if overflowed:  # refused by the direct call (target untouched), named by the checked one
+                    assert torch.equal(target, prev)
+                    with pytest.raises(ValueError, match="overflow"):
+                        codec.decode(payload=got, target=target)
+                else:
+                    assert torch.equal(as_bits(target), as_bits(new)), (k, cap)
+    assert overflows >= 3
+    new = steps[0]
+    out = torch.empty(full, dtype=torch.uint8)
+    codec.encode(shard=new, state=codec.new_state(shard=prev), out=out)
+    assert not direct.encode(shard=new[:-1], state=codec.new_state(shard=prev), out=out)  # wrong size
+    assert not direct.decode(payload=out, target=prev.to(torch.float64))  # wrong dtype
+    other = make_codec("exponent_reuse" if name == "delta" else "delta", dtype=dtype, numel=n)
+    o = torch.empty(other.clamp_capacity(other.max_bytes), dtype=torch.uint8)
+    other.encode(shard=new, state=other.new_state(shard=prev), out=o)
+    with pytest.raises(ValueError, match="not a"):
+        codec.decode(payload=o, target=prev.clone())
+
+
+def test_fewer_threads_granted_than_asked():
+    """A runtime that grants fewer OpenMP threads than torch asks for (``OMP_THREAD_LIMIT=1``, read
+    at start-up: a fresh process) still gives the reference's bytes and bits: every parallel region
+    cuts its chunks for the threads it gets."""
+    code = ("import torch; torch.set_num_threads(3)\n"
+            "from ciera.codecs import make_codec, as_bits\n"
+            "n = 70_001; p = torch.randn(n).to(torch.bfloat16); q = (p.float() * 1.001).to(torch.bfloat16)\n"
+            "for name in ('delta', 'exponent_reuse'):\n"
+            "    c, r = (make_codec(name, dtype=torch.bfloat16, numel=n, backend=b) for b in ('native', 'torch'))\n"
+            "    o, w = (torch.zeros(c.clamp_capacity(c.max_bytes), dtype=torch.uint8) for _ in range(2))\n"
+            "    c.encode(shard=q, state=c.new_state(shard=p), out=o); r.encode(shard=q, state=r.new_state(shard=p), out=w)\n"
+            "    t = p.clone(); c.decode(payload=o, target=t)\n"
+            "    assert torch.equal(o, w) and torch.equal(as_bits(t), as_bits(q)), name\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_THREAD_LIMIT": "1"})
+    assert r.returncode == 0, r.stderr
 
 
 def test_missing_library_falls_back_with_one_log_line(monkeypatch, caplog):

@@ -24,7 +24,7 @@
 #define CIERA_THREAD_ID() 0
 #endif
 
-#define CIERA_ABI 1
+#define CIERA_ABI 2
 #define CIERA_MAX_THREADS 256
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -50,6 +50,7 @@ enum {
     CIERA_E_ARGS = -6,            /* unsupported layout / arguments */
     CIERA_E_NOMEM = -7,
     CIERA_E_HEADER = -8,          /* decode_many: header magic, codec id, flags or capacity */
+    CIERA_E_SIZES = -9,           /* delta: the blocks' sizes do not add up to the header's needed bytes */
 };
 
 int ciera_abi(void) { return CIERA_ABI; }
@@ -70,6 +71,12 @@ static int clamp_threads(int threads) {
     return 1;
 #else
     if (threads < 1) return 1;
+    /* Every region needs all the threads it asks for (chunk k is thread k's): never more than the
+       runtime grants (OMP_THREAD_LIMIT; a region nested deeper than the active levels allow runs
+       one thread). */
+    if (omp_get_active_level() >= omp_get_max_active_levels()) return 1;
+    int limit = omp_get_thread_limit();
+    if (threads > limit) threads = limit;
     return threads > CIERA_MAX_THREADS ? CIERA_MAX_THREADS : threads;
 #endif
 }
@@ -916,19 +923,24 @@ AVX512_FN static int64_t delta_encode_block16_avx512(const ciera_delta_layout *l
     return size;
 }
 
-/* Decodes table-mode block b (c exceptions, its data at pos) of 16-bit values on AVX-512 into
- * target; returns the block's end, or a negative error code. Same checks as delta_decode_chunk. */
+/* Decodes table-mode block b (c exceptions) of 16-bit values on AVX-512 into target. Its data
+ * starts at pos (rev = 0: returns the block's end) or ends at pos (rev = 1: returns its start); a
+ * negative error code otherwise. Same checks as delta_decode_chunk. */
 AVX512_FN static int64_t delta_decode_block16_avx512(const ciera_delta_layout *l, int M, int E, const delta_wctx *wc,
                                                      const uint8_t *payload, int64_t length, uint16_t *target, int64_t b,
-                                                     int c, int64_t pos) {
+                                                     int c, int64_t pos, int rev) {
     const int64_t B = l->block_size, n = l->numel;
     const int G = (int)l->group_size, I = (int)l->index_bytes;
     const int64_t v0 = b * B;
     const int valid = (int)min64(B, n - v0);
     uint8_t ww[DELTA_MAX_BLOCK + 128];
     uint32_t zz[DELTA_MAX_BLOCK + 64];
-    int64_t gbytes = block_widths16_avx512(wc, M, E, target + v0, valid, G, ww);
-    int64_t end = pos + gbytes + (int64_t)c * (I + 2);
+    int64_t size = block_widths16_avx512(wc, M, E, target + v0, valid, G, ww) + (int64_t)c * (I + 2);
+    if (rev) {
+        if (pos - size < l->off_data) return CIERA_E_TRUNCATED;
+        pos -= size;
+    }
+    int64_t end = pos + size;
     if (end > length) return CIERA_E_TRUNCATED;
     const uint8_t *p = payload + pos; /* every group lies inside [pos, end) */
     for (int g0 = 0; g0 < valid; g0 += G) p += unpack_group16_avx512(p, ww + g0, (int)min64(G, valid - g0), zz + g0);
@@ -946,7 +958,7 @@ AVX512_FN static int64_t delta_decode_block16_avx512(const ciera_delta_layout *l
         __m512i d = _mm512_xor_si512(_mm512_srli_epi32(z, 1), _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_and_si512(z, one)));
         _mm256_mask_storeu_epi16(target + v0 + j, k, _mm512_cvtepi32_epi16(_mm512_add_epi32(t, d)));
     }
-    return end;
+    return rev ? pos : end;
 }
 #endif
 
@@ -1214,39 +1226,53 @@ ALWAYS_INLINE uint64_t unpack_group(int W, const uint8_t *p, const uint8_t *ww, 
     return bp;
 }
 
-ALWAYS_INLINE int delta_decode_chunk(const ciera_delta_layout *l, int W, int M, int E, const delta_wctx *wc,
-                                     const uint8_t *payload, int64_t length, void *target, int64_t b_lo, int64_t b_hi,
-                                     int64_t pos) {
+/* Decodes blocks [b_lo, b_hi): forward from their data's start pos (rev = 0: returns their end),
+ * or last block first from their data's end pos (rev = 1: returns their start, so a chunk needs no
+ * sizing pass when the data's end is known); a negative error code otherwise. */
+ALWAYS_INLINE int64_t delta_decode_chunk(const ciera_delta_layout *l, int W, int M, int E, const delta_wctx *wc,
+                                         const uint8_t *payload, int64_t length, void *target, int64_t b_lo,
+                                         int64_t b_hi, int64_t pos, int rev) {
     const int64_t B = l->block_size, G = l->group_size, n = l->numel;
     const int C = (int)l->count_bytes, S = (int)l->high_bytes, I = (int)l->index_bytes;
     const uint8_t *counts = payload + l->off_counts;
     const uint64_t mark = C == 1 ? 0xFF : 0xFFFF;
     uint8_t ww[DELTA_MAX_BLOCK + 128];
     uint32_t zz[DELTA_MAX_BLOCK + 4];
-    for (int64_t b = b_lo; b < b_hi; b++) {
+    for (int64_t i = 0; i < b_hi - b_lo; i++) {
+        const int64_t b = rev ? b_hi - 1 - i : b_lo + i;
         const int64_t v0 = b * B;
         const int valid = (int)min64(B, n - v0);
         uint64_t c = load_le(counts + b * C, C);
         if (c == mark) {
-            if (pos + (int64_t)valid * S > length) return CIERA_E_TRUNCATED;
+            const int64_t size = (int64_t)valid * S;
+            if (rev) {
+                if (pos - size < l->off_data) return CIERA_E_TRUNCATED;
+                pos -= size;
+            }
+            if (pos + size > length) return CIERA_E_TRUNCATED;
             for (int j = 0; j < valid; j++) {
                 uint32_t z = (uint32_t)load_le(payload + pos + (int64_t)j * S, S);
                 store_u(target, v0 + j, unzigzag_add_u(load_u(target, v0 + j, W), z, W), W);
             }
-            pos += (int64_t)valid * S;
+            if (!rev) pos += size;
             continue;
         }
         if ((int64_t)c > valid) return CIERA_E_BAD_COUNT;
 #if CIERA_X86
         if (W == 16 && wc->avx512) {
-            int64_t e = delta_decode_block16_avx512(l, M, E, wc, payload, length, (uint16_t *)target, b, (int)c, pos);
-            if (e < 0) return (int)e;
+            int64_t e = delta_decode_block16_avx512(l, M, E, wc, payload, length, (uint16_t *)target, b, (int)c, pos, rev);
+            if (e < 0) return e;
             pos = e;
             continue;
         }
 #endif
-        int64_t gbytes = delta_block_widths(l, W, M, E, wc, target, b, ww); /* ww zero past valid: unpack_group reads whole quads */
-        int64_t end = pos + gbytes + (int64_t)c * (I + S);
+        /* ww zero past valid: unpack_group reads whole quads */
+        const int64_t size = delta_block_widths(l, W, M, E, wc, target, b, ww) + (int64_t)c * (I + S);
+        if (rev) {
+            if (pos - size < l->off_data) return CIERA_E_TRUNCATED;
+            pos -= size;
+        }
+        int64_t end = pos + size;
         if (end > length) return CIERA_E_TRUNCATED;
         const uint8_t *p = payload + pos;
         for (int g0 = 0; g0 < valid; g0 += (int)G) {
@@ -1275,17 +1301,18 @@ ALWAYS_INLINE int delta_decode_chunk(const ciera_delta_layout *l, int W, int M, 
         }
         for (int j = 0; j < valid; j++)
             store_u(target, v0 + j, unzigzag_add_u(load_u(target, v0 + j, W), zz[j], W), W);
-        pos = end;
+        if (!rev) pos = end;
     }
-    return CIERA_OK;
+    return pos;
 }
 
-HOT static int delta_decode_chunk_dispatch(const ciera_delta_layout *l, const delta_wctx *wc, const uint8_t *payload,
-                                       int64_t length, void *target, int64_t b_lo, int64_t b_hi, int64_t pos) {
+HOT static int64_t delta_decode_chunk_dispatch(const ciera_delta_layout *l, const delta_wctx *wc, const uint8_t *payload,
+                                               int64_t length, void *target, int64_t b_lo, int64_t b_hi, int64_t pos,
+                                               int rev) {
     if (l->total_bits == 16 && l->mant_bits == 7)
-        return delta_decode_chunk(l, 16, 7, 8, wc, payload, length, target, b_lo, b_hi, pos);
-    if (l->total_bits == 16) return delta_decode_chunk(l, 16, 10, 5, wc, payload, length, target, b_lo, b_hi, pos);
-    return delta_decode_chunk(l, 32, 23, 8, wc, payload, length, target, b_lo, b_hi, pos);
+        return delta_decode_chunk(l, 16, 7, 8, wc, payload, length, target, b_lo, b_hi, pos, rev);
+    if (l->total_bits == 16) return delta_decode_chunk(l, 16, 10, 5, wc, payload, length, target, b_lo, b_hi, pos, rev);
+    return delta_decode_chunk(l, 32, 23, 8, wc, payload, length, target, b_lo, b_hi, pos, rev);
 }
 
 HOT static int64_t delta_size_range(const ciera_delta_layout *l, const delta_wctx *wc, const uint8_t *counts,
@@ -1303,9 +1330,13 @@ HOT static int64_t delta_size_range(const ciera_delta_layout *l, const delta_wct
     return total;
 }
 
-/* Threads decode equal chunks of blocks; chunk k starts at the summed sizes of the blocks before
- * it, which come from a sizing pass (widths and counts only) over every chunk but the last. That
- * pass is itself split evenly over all threads, so no thread waits for another's sizing. */
+/* Threads decode equal chunks of blocks. The first chunk starts at off_data; the last one, when
+ * the header's needed bytes (the end of the last block) are plausible, is decoded last block
+ * first from that end; every other chunk k starts at the summed sizes of the blocks before it,
+ * which come from a sizing pass (widths and counts only). That pass is itself split evenly over
+ * all threads, so no thread waits for another's sizing; at 2 threads there is none. Where the
+ * last chunk ran backwards, its start must be the end of the chunk before it (else the header
+ * disagrees with the blocks: CIERA_E_SIZES). */
 int ciera_delta_decode(const ciera_delta_layout *l, const uint8_t *payload, int64_t length, void *target, int threads) {
     if (!delta_supported(l)) return CIERA_E_ARGS;
     const int64_t n = l->numel, B = l->block_size;
@@ -1322,12 +1353,19 @@ int ciera_delta_decode(const ciera_delta_layout *l, const uint8_t *payload, int6
     if (threads > nb) threads = (int)nb;
     int64_t bnd[CIERA_MAX_THREADS + 1]; /* decode chunk k: blocks [bnd[k], bnd[k+1]) */
     for (int k = 0; k <= threads; k++) bnd[k] = nb * k / threads;
-    /* Sizing intervals: [0, bnd[threads-1]) cut at the chunk bounds and at `threads` equal pieces;
-       interval i is sized by the thread whose piece holds it. */
-    const int64_t L = bnd[threads - 1];
+    int64_t data_end = -1; /* the header's needed bytes, when plausible */
+    if (length >= 24) {
+        memcpy(&data_end, payload + 16, 8);
+        if (data_end < l->off_data || data_end > length) data_end = -1;
+    }
+    const int rev = threads > 1 && data_end >= 0; /* the last chunk runs backwards from data_end */
+    const int sized = threads - rev;              /* chunks [0, sized) run forwards */
+    /* Sizing intervals: [0, bnd[sized-1]) cut at those chunks' bounds and at `threads` equal
+       pieces; interval i is sized by the thread whose piece holds it. */
+    const int64_t L = bnd[sized - 1];
     int64_t cut[2 * CIERA_MAX_THREADS + 2], sizes[2 * CIERA_MAX_THREADS + 1];
     int owner[2 * CIERA_MAX_THREADS + 1], ncut = 0;
-    for (int k = 0; k < threads; k++) cut[ncut++] = bnd[k];
+    for (int k = 0; k < sized; k++) cut[ncut++] = bnd[k];
     for (int q = 1; q <= threads; q++) cut[ncut++] = L * q / threads;
     for (int i = 1; i < ncut; i++) /* insertion sort: a few entries */
         for (int j = i; j > 0 && cut[j - 1] > cut[j]; j--) {
@@ -1337,23 +1375,59 @@ int ciera_delta_decode(const ciera_delta_layout *l, const uint8_t *payload, int6
         while (q + 1 < threads && L * (q + 1) / threads <= cut[i]) q++;
         owner[i] = q;
     }
-    int rc[CIERA_MAX_THREADS];
+    int64_t rc[CIERA_MAX_THREADS]; /* a forward chunk's end, the backward chunk's start, or an error */
+    if (rev && threads == 2) {
+        /* Two threads meet wherever they get to: thread 0 claims grains of blocks from the front,
+           thread 1 from the back (running backwards from data_end), one CAS on a shared
+           (front, back) pair per grain. Each thread's grains are consecutive, so its position runs
+           on; speed differences (a slower backward stream, a late or preempted thread) never leave
+           one waiting on the other's fixed half. */
+        const int64_t grain = (16 * 128 + B - 1) / B, ng = (nb + grain - 1) / grain;
+        uint64_t claims = (uint64_t)ng << 32; /* front grain in the low half, back bound in the high */
+        rc[1] = data_end; /* stays so if the runtime grants one thread: thread 0 then claims every grain */
+#pragma omp parallel num_threads(2)
+        {
+            const int k = CIERA_THREAD_ID();
+            int64_t pos = k == 0 ? l->off_data : data_end;
+            for (;;) {
+                uint64_t w = __atomic_load_n(&claims, __ATOMIC_RELAXED), nw;
+                int64_t g;
+                do {
+                    const uint64_t f = w & 0xFFFFFFFFu, b = w >> 32;
+                    if (f >= b) goto claimed_all;
+                    g = (int64_t)(k == 0 ? f : b - 1);
+                    nw = k == 0 ? w + 1 : w - ((uint64_t)1 << 32);
+                } while (!__atomic_compare_exchange_n(&claims, &w, nw, 1, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED));
+                pos = delta_decode_chunk_dispatch(l, &wc, payload, length, target, g * grain,
+                                                  min64((g + 1) * grain, nb), pos, k);
+                if (pos < 0) break;
+            }
+        claimed_all:
+            rc[k] = pos;
+        }
+        if (rc[0] < 0) return (int)rc[0];
+        if (rc[1] < 0) return (int)rc[1];
+        return rc[0] == rc[1] ? CIERA_OK : CIERA_E_SIZES;
+    }
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int k = CIERA_THREAD_ID();
         for (int i = 0; i + 1 < ncut; i++)
             if (owner[i] == k) sizes[i] = delta_size_range(l, &wc, payload + l->off_counts, target, cut[i], cut[i + 1]);
 #pragma omp barrier
-        int64_t pos = l->off_data;
-        int bad = CIERA_OK;
+        int64_t pos = k < sized ? l->off_data : data_end;
+        int64_t bad = CIERA_OK;
         for (int i = 0; i + 1 < ncut; i++) {
-            if (sizes[i] < 0) bad = (int)sizes[i];
-            else if (cut[i + 1] <= bnd[k]) pos += sizes[i];
+            if (sizes[i] < 0) bad = sizes[i];
+            else if (k < sized && cut[i + 1] <= bnd[k]) pos += sizes[i];
         }
-        rc[k] = bad != CIERA_OK ? bad : delta_decode_chunk_dispatch(l, &wc, payload, length, target, bnd[k], bnd[k + 1], pos);
+        rc[k] = bad != CIERA_OK ? bad
+                                : delta_decode_chunk_dispatch(l, &wc, payload, length, target, bnd[k], bnd[k + 1], pos,
+                                                              k >= sized);
     }
     for (int k = 0; k < threads; k++)
-        if (rc[k] != CIERA_OK) return rc[k];
+        if (rc[k] < 0) return (int)rc[k];
+    if (rev && rc[threads - 1] != rc[threads - 2]) return CIERA_E_SIZES;
     return CIERA_OK;
 }
 
@@ -1387,4 +1461,37 @@ int ciera_decode_many(int codec, const void *layout, const uint8_t *payloads, in
         if (r != CIERA_OK) return r;
     }
     return CIERA_OK;
+}
+
+/* ============================================================================================
+ * Codec.encode / Codec.decode on CPU in one call each: the header written / checked here, so the
+ * Python side does no tensor operation around the codec (each costs tens of microseconds once the
+ * codec's streams have left the caches: serial time that no thread count shortens).
+ * ============================================================================================ */
+
+/* Encodes and writes the header [magic|codec, flags, needed, capacity]; returns needed (the
+ * overflow flag set when it exceeds the capacity) or a negative error code. */
+int64_t ciera_encode(int codec, const void *layout, const void *shard, void *state, uint8_t *out, int64_t capacity,
+                     int threads) {
+    if (capacity < 32 || (codec != 1 && codec != 2)) return CIERA_E_ARGS;
+    int64_t needed = codec == 1 ? ciera_er_encode((const ciera_er_layout *)layout, shard, (uint8_t *)state, out,
+                                                  capacity, threads)
+                                : ciera_delta_encode((const ciera_delta_layout *)layout, shard, state, out, capacity,
+                                                     threads);
+    if (needed < 0) return needed;
+    int64_t h[4] = {(int64_t)((CIERA_MAGIC << 8) | codec), needed > capacity ? CIERA_FLAG_OVERFLOW : 0, needed,
+                    capacity};
+    memcpy(out, h, sizeof h);
+    return needed;
+}
+
+/* Checks the header as Codec.decode does (codec, not overflowed, needed within length), then
+ * decodes; CIERA_E_HEADER when the header is refused (the caller names the reason). */
+int ciera_decode(int codec, const void *layout, const uint8_t *payload, int64_t length, void *target, int threads) {
+    if (length < 32 || (codec != 1 && codec != 2)) return CIERA_E_HEADER;
+    int64_t h[4];
+    memcpy(h, payload, sizeof h);
+    if (h[0] != ((CIERA_MAGIC << 8) | codec) || (h[1] & CIERA_FLAG_OVERFLOW) || h[2] > length) return CIERA_E_HEADER;
+    return codec == 1 ? ciera_er_decode((const ciera_er_layout *)layout, payload, length, target, threads)
+                      : ciera_delta_decode((const ciera_delta_layout *)layout, payload, length, target, threads);
 }
