@@ -105,9 +105,8 @@ class Measurements:
             times = [min(a, b) for a, b in zip(self.link_times, times)]
         self.link_sizes, self.link_times = list(sizes), times
         self.link_measurements += 1
-        world = dist.get_world_size(group)
-        self.link = (cm.LinkModel(bandwidth_bytes_per_s=1e30) if world == 1 else
-                     cm.fit_latency_bandwidth(sizes=sizes, times=times, world=world))
+        # a group of one rank measures zeros, which fit to an infinitely fast link
+        self.link = cm.fit_latency_bandwidth(sizes=sizes, times=times, world=dist.get_world_size(group))
 
     def codec_for(self, *, codec, group, device) -> tuple[float, float]:
         """Agreed (encode, decode) seconds per raw byte of ``codec`` at its real shard size."""
