@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import tempfile
@@ -27,6 +28,7 @@ def _entry(rank: int, world: int, port: int, fn, args, result_dir: str) -> None:
         out = fn(rank, world, *args)
         torch.save(out, os.path.join(result_dir, f"rank{rank}.pt"))
     finally:
+        gc.collect()  # objects in reference cycles still holding c10d work go before their group
         dist.destroy_process_group()
 
 

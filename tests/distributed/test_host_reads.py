@@ -119,9 +119,11 @@ def _run(rank, world, codec, inject, steps=8, shard=2048):
         original = gather._finish
 
         def finish(work, plan, launched):
-            if not plan.raw:
-                INJECTIONS[inject](gather)  # the regression this test exists to catch
-            original(work, plan, launched)
+            try:
+                if not plan.raw:
+                    INJECTIONS[inject](gather)  # the regression this test exists to catch
+            finally:  # the collective completes either way: a gloo work left in flight aborts the
+                original(work, plan, launched)  # process at exit ("terminate called ...")
         gather._finish = finish
     guard = HostSyncGuard()
     for _ in range(steps):
