@@ -82,6 +82,8 @@ def agree_sizes(gathers: Sequence["CieraAllGather"], *, group=None) -> list[Plan
     gathers = list(gathers)
     if not gathers:
         return []
+    if all(g.group is group and g._quiet_raw() for g in gathers):  # selection's raw, nothing due:
+        return [g._take_quiet_raw() for g in gathers]  # a plain gather follows, no table needed
     device = gathers[0].buffer.device
     world = gathers[0].world
     if any(g.group is not group and g.group != group for g in gathers):

@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 
 _DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(FORMATS)}
 _CONCRETE_CODECS = ("exponent_reuse", "delta")
+_RAW_PLAN = Plan(raw=True)
 
 
 class CieraVerifyError(RuntimeError):
@@ -124,6 +125,7 @@ class CieraAllGather:
                 f"{self.world} ({buffer.numel()} % {self.world} = {buffer.numel() % self.world})"
             )
         self.shard_numel = buffer.numel() // self.world
+        self._raw_bytes = buffer.numel() * buffer.element_size()
         self._shards = buffer.view(self.world, self.shard_numel)
         self._shard = self._shards[self.rank]
         self._check_agreement()
@@ -241,6 +243,22 @@ class CieraAllGather:
                              self.name, self.rank)
             self._fail()
             return FLAG_FAILED, self._needed
+
+    def _quiet_raw(self) -> bool:
+        """Selection has chosen raw and its schedule has nothing due at this gather (no snapshot,
+        no decision): preparing it is bookkeeping only, no encode and no agreement (the fast path of
+        :func:`ciera.agreement.agree_sizes`). Rank-identical, like :meth:`_raw_by_selection`."""
+        sel = self.selector
+        return (sel is not None and self._codec_name is None and self._plan is None and bool(self._codecs)
+                and not sel.due(self._started) and (self._pending is None or self._pending._done))
+
+    def _take_quiet_raw(self) -> Plan:
+        """For a :meth:`_quiet_raw` gather, what ``_encode_local`` then ``_apply_plan`` of a raw plan
+        would do, without their calls (a local failure stays pending, as on that path)."""
+        self._started += 1
+        self._encoded = None
+        self._plan = _RAW_PLAN
+        return _RAW_PLAN
 
     def _raw_by_selection(self) -> bool:
         """Selection has chosen raw for this bucket (rank-identical: the selector's inputs are
@@ -405,7 +423,7 @@ class CieraAllGather:
             raise
 
     def _raw_bucket_bytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
+        return self._raw_bytes
 
     def _account(self, plan: Plan, *, wire: int) -> None:
         s = self._stats

@@ -18,8 +18,12 @@ Because the first decision rests on the probe alone, it compresses only when a c
 the ``hysteresis`` margin, and a bucket that starts compressing is re-decided after
 ``EARLY_RECHECK`` gathers on its real timings (then every ``reevaluate_interval``). Where raw
 wins clearly (every codec predicted slower by the ``hysteresis`` margin, or its codec work alone
-exceeding the raw gather), the interval doubles at each decision up to ``MAX_BACKOFF`` times, so
-the probes cost next to nothing on a fast link.
+exceeding the raw gather), the interval doubles at each decision up to ``MAX_BACKOFF`` times. And
+however close the call, decisions never cost more than ``DECISION_BUDGET`` of the gathers between
+them: each one's measured cost (agreed) sets the least interval to the next, so the probes cost
+next to nothing on a fast link. The schedule depends only on agreed figures, so every rank takes
+each decision's collectives at the same gather; a decision due while any rank still owes raw
+gathers after an ``invalidate()`` waits until they are sent.
 
 The link is measured once per group at the sizes its first bucket sends, and once more at the
 first early re-check in the group: a decision to compress that rests on one measurement is
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -56,6 +61,13 @@ margin, and they move slowly. Each such decision doubles the interval, up to thi
 decision resets it. A decision costs a copy of the shard and one probe encode per candidate: on a
 fast link (one host's memcpy) that would otherwise be several percent of the raw gathers it sits
 between."""
+
+
+DECISION_BUDGET = 0.005
+"""Largest share of the gathers' predicted time that re-decisions may cost. A decision copies the
+shard and probe-encodes it with every candidate (milliseconds on a CPU host); after each, the next
+waits at least that cost over this share of one gather's predicted time in the chosen mode: on a
+fast link, where the probes outweigh a raw gather, decisions thin out until they are noise."""
 
 
 class Measurements:
@@ -156,6 +168,11 @@ class Selector:
         self.decisions = 0
         self.backoff = 1
         """Multiple of ``reevaluate_interval`` until the next decision (see :data:`MAX_BACKOFF`)."""
+        self.mode: str | None = None
+        """The mode the last decision chose (``raw`` or a codec's name)."""
+        self.cost_s = 0.0
+        """Seconds the last decision cost its slowest rank (the shard's copy and the probes)."""
+        self._snapshot_s = 0.0
         self._last_stats = None
 
     def before_gather(self, index: int, *, warmup_left: int, shard: torch.Tensor, current: str | None,
@@ -163,35 +180,63 @@ class Selector:
         """Called before encoding gather number ``index`` (0-based, before the size agreement).
         ``probe(name, previous)`` returns the bytes codec ``name`` needs for ``shard`` against
         ``previous``; ``stats()`` returns the gather's counters (read only when a decision is due:
-        on CUDA it waits for the recorded timing events). Returns the switch to apply, if any."""
-        if warmup_left > 0 and self.decide_at < index + warmup_left:
-            self.decide_at = index + warmup_left  # invalidated: decide right after the raw gathers
+        on CUDA it waits for the recorded timing events); ``warmup_left`` is this rank's raw gathers
+        left after an ``invalidate()`` (a decision due while any rank has some is postponed until
+        they are sent). Returns the switch to apply, if any."""
+        # The schedule (decide_at, snapshot) depends only on the gather's index and agreed figures,
+        # never on this rank's own state: every rank takes each decision's collectives together.
         switch = None
         if index == self.decide_at and self.snapshot is not None:
             early = self.decisions == 1 and self.decision.compress  # see EARLY_RECHECK
             if self.measurements is not None:
                 self.link = (self.measurements.refine_link(group=self.group, device=self.device) if early
                              else self.measurements.link or self.link)
-            switch = self._decide(current=current, probe=probe, stats=stats)
+            postpone, switch = self._decide(current=current, probe=probe, stats=stats, warmup_left=warmup_left)
             self.snapshot = None
-            clear = self.config.selection == "auto" and _raw_wins_clearly(self.decision, self.config.hysteresis)
-            self.backoff = min(2 * self.backoff, MAX_BACKOFF) if clear else 1
-            interval = self.config.reevaluate_interval * self.backoff
-            if self.decisions == 1 and self.decision.compress:  # rests on the start-up probe: check soon
-                interval = min(interval, EARLY_RECHECK)
-            self.decide_at = index + interval
+            if postpone:  # a rank invalidated: its snapshot is stale; decide right after the raw gathers
+                self.decide_at = index + postpone
+            else:
+                clear = self.config.selection == "auto" and _raw_wins_clearly(self.decision, self.config.hysteresis)
+                self.backoff = min(2 * self.backoff, MAX_BACKOFF) if clear else 1
+                interval = max(self.config.reevaluate_interval * self.backoff, self._budget_interval())
+                if self.decisions == 1 and self.decision.compress:  # rests on the start-up probe: check soon
+                    interval = min(interval, EARLY_RECHECK)
+                self.decide_at = index + interval
         if index + 1 == self.decide_at:
+            t0 = time.perf_counter()
             self.snapshot = shard.clone()
+            self._snapshot_s = time.perf_counter() - t0
         return switch
 
-    def _decide(self, *, current, probe, stats) -> Switch | None:
+    def _budget_interval(self) -> int:
+        """Fewest gathers until the next decision so that decisions cost at most
+        :data:`DECISION_BUDGET` of the gathers between them (agreed figures: rank-identical), and
+        never more than ``MAX_BACKOFF`` re-decision intervals."""
+        per_gather = max(self.decision.times[self.mode], 1e-9)
+        cap = MAX_BACKOFF * self.config.reevaluate_interval
+        return min(math.ceil(self.cost_s / (DECISION_BUDGET * per_gather)), cap)
+
+    def due(self, index: int) -> bool:
+        """Whether :meth:`before_gather` has anything to do at gather ``index`` (a snapshot or a
+        decision); rank-identical. When not, skipping the call changes nothing."""
+        return index + 1 >= self.decide_at
+
+    def _decide(self, *, current, probe, stats, warmup_left: int) -> tuple[int, Switch | None]:
+        """``(postpone, switch)``: ``postpone > 0`` (no decision) when any rank has raw gathers
+        left after an ``invalidate()``: the agreed largest count of them."""
         cfg = self.config
         names = list(self.codecs)
+        t0 = time.perf_counter()
         needed = [float(probe(n, self.snapshot)) for n in names]
+        cost = time.perf_counter() - t0 + self._snapshot_s  # the probes read their sizes: synchronous
         self._refresh_speeds(current=current, stats=stats)
         per_byte = [v for n in names for v in (self.speeds[n][0].value, self.speeds[n][1].value)]
-        agreed = cm.agree(values=needed + per_byte, group=self.group, device=self.device)
-        needed, per_byte = agreed[: len(names)], agreed[len(names):]
+        agreed = cm.agree(values=needed + per_byte + [float(warmup_left), cost], group=self.group,
+                          device=self.device)
+        if agreed[-2] > 0:
+            return int(agreed[-2]), None
+        self.cost_s = agreed[-1]
+        needed, per_byte = agreed[: len(names)], agreed[len(names):-2]
         raw_b = self.codecs[names[0]].raw_bytes
         candidates = []
         for i, n in enumerate(names):
@@ -210,14 +255,14 @@ class Selector:
         choice = d.choice
         if choice == cm.RAW and cfg.selection == "always":  # codec='auto': choose among codecs only
             choice = min(candidates, key=lambda c: d.times[c.name]).name
-        self.decision, self.decisions = d, self.decisions + 1
+        self.decision, self.decisions, self.mode = d, self.decisions + 1, choice
         if first or choice != known:  # the first choice and every switch, raw included, with why
             logger.info("%s: selection -> %s (%s)", self.name, choice, d.reason)
         if choice == cm.RAW:
-            return Switch(None, None)
+            return 0, Switch(None, None)
         if choice != known:
-            return Switch(choice, self.snapshot)
-        return None
+            return 0, Switch(choice, self.snapshot)
+        return 0, None
 
     def _refresh_speeds(self, *, current, stats) -> None:
         """Fold the real encode/decode timings since the last decision into the averages."""
