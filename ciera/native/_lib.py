@@ -178,7 +178,7 @@ class Direct:
                 and out.dtype == torch.uint8 and out.is_contiguous() and cap >= self._fixed and cap % 16 == 0):
             return False
         rc = self._lib.ciera_encode(self._id, self._addr, shard.data_ptr(), state.data_ptr(), out.data_ptr(), cap,
-                                    torch.get_num_threads())
+                                    threads())
         raise_for(self._name, rc)
         return True
 
@@ -187,7 +187,7 @@ class Direct:
                 and payload.is_contiguous() and payload.dim() == 1):
             return False
         rc = self._lib.ciera_decode(self._id, self._addr, payload.data_ptr(), payload.numel(), target.data_ptr(),
-                                    torch.get_num_threads())
+                                    threads())
         if rc == -8:  # the header is refused: the checked path says why
             return False
         raise_for(self._name, rc)
