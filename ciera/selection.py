@@ -246,8 +246,10 @@ class Selector:
                 speed=cm.CodecSpeed(encode_bytes_per_s=1 / max(per_byte[2 * i], 1e-15),
                                     decode_bytes_per_s=1 / max(per_byte[2 * i + 1], 1e-15))))
         first = self.decision is None
-        known = current or cm.RAW  # the first decision too: leaving raw needs the hysteresis margin
-        if cfg.selection == "always" and current is None:
+        # Raw is the incumbent of the first decision too (the gathers before it were raw warmup,
+        # whatever default codec the gather names): leaving raw needs the hysteresis margin.
+        known = cm.RAW if first else (current or cm.RAW)
+        if cfg.selection == "always" and (first or current is None):
             known = None  # codec='auto' under 'always' must pick a codec: no raw incumbent
         d = cm.decide(raw_bytes_per_rank=raw_b, world=self.world, link=self.link, candidates=candidates,
                       current=known, hysteresis=cfg.hysteresis,

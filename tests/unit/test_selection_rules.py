@@ -30,29 +30,34 @@ def _selector(*, enc_s: float, dec_s: float, wire_ratio: float = 0.177, config=N
     return sel, (lambda name, prev: int(wire_ratio * RAW_B))
 
 
-def _run(sel, probe, gathers: int, real_enc_s: float, real_dec_s: float):
-    """Drive ``gathers`` gathers; a compressed gather costs the real codec seconds given."""
-    stats, current, modes = GatherStats(codec="raw"), None, []
+def _run(sel, probe, gathers: int, real_enc_s: float, real_dec_s: float, start: str | None = None):
+    """Drive ``gathers`` gathers; a compressed gather costs the real codec seconds given. ``start``:
+    the ``current`` passed before the first decision (a gather passes its default codec, sending raw
+    meanwhile: warmup)."""
+    stats, current, modes = GatherStats(codec="raw"), start, []
     shard = torch.zeros(4)
     for i in range(gathers):
         sw = sel.before_gather(i, warmup_left=0, shard=shard, current=current, probe=probe,
                                stats=lambda: GatherStats(**{**stats.__dict__}))
         if sw is not None:
             current = sw.codec
-        if current is not None:
+        if current is not None and sel.decisions:
             stats.compressed_gathers += 1
             stats.encode_s += real_enc_s
             stats.decode_s += real_dec_s
-        modes.append(current)
+        modes.append(current if sel.decisions else None)
     return modes
 
 
-def test_first_decision_needs_the_margin_and_says_raw(caplog):
+@pytest.mark.parametrize("start", [None, "delta"])
+def test_first_decision_needs_the_margin_and_says_raw(caplog, start):
     """delta predicted 6% faster than raw on the start-up probe alone (the 2x1 10 Gbit/s testbed's
-    case, where it then ran 40% slower): not enough to leave raw; the log says raw and why."""
+    case, where it then ran 40% slower): not enough to leave raw; the log says raw and why. Raw is
+    the incumbent even though the gather names its default codec as current before the first
+    decision (``start='delta'``): the warmup gathers were raw."""
     sel, probe = _selector(enc_s=0.0105, dec_s=0.0085)  # 19.0 ms + wire 4.6 ms = 23.6 < 26.2 ms raw
     with caplog.at_level(logging.INFO, logger="ciera.selection"):
-        modes = _run(sel, probe, 6, 0.0, 0.0)
+        modes = _run(sel, probe, 6, 0.0, 0.0, start=start)
     assert sel.decision.times["delta"] < sel.decision.raw_s  # it was predicted faster...
     assert modes == [None] * 6  # ...but not by the hysteresis margin
     assert [r.getMessage() for r in caplog.records] == [f"b0: selection -> raw ({sel.decision.reason})"]
