@@ -248,9 +248,8 @@ class CieraAllGather:
         """Selection has chosen raw and its schedule has nothing due at this gather (no snapshot,
         no decision): preparing it is bookkeeping only, no encode and no agreement (the fast path of
         :func:`ciera.agreement.agree_sizes`). Rank-identical, like :meth:`_raw_by_selection`."""
-        sel = self.selector
-        return (sel is not None and self._codec_name is None and self._plan is None and bool(self._codecs)
-                and not sel.due(self._started) and (self._pending is None or self._pending._done))
+        return (self._plan is None and self._raw_by_selection() and not self.selector.due(self._started)
+                and self._idle())
 
     def _take_quiet_raw(self) -> Plan:
         """For a :meth:`_quiet_raw` gather, what ``_encode_local`` then ``_apply_plan`` of a raw plan
@@ -324,8 +323,12 @@ class CieraAllGather:
                     )
 
     # -- per-gather decisions ----------------------------------------------------------------------
+    def _idle(self) -> bool:
+        """No gather of this bucket is in flight (the previous one was waited on)."""
+        return self._pending is None or self._pending._done
+
     def _check_idle(self, what: str) -> None:
-        if self._pending is not None and not self._pending._done:
+        if not self._idle():
             raise RuntimeError(f"{self.name}: {what} called while the previous gather is not waited on")
 
     def _choose_mode(self) -> str:

@@ -115,9 +115,14 @@ def threads() -> int:
     return max(1, torch.get_num_threads())
 
 
+def fits(t: torch.Tensor, dtype: torch.dtype, numel: int | None = None) -> bool:
+    """Whether ``t`` is a contiguous CPU tensor of ``dtype`` (and ``numel`` values)."""
+    return t.is_cpu and t.dtype == dtype and t.is_contiguous() and (numel is None or t.numel() == numel)
+
+
 def check(name: str, what: str, t: torch.Tensor, dtype: torch.dtype, numel: int | None = None) -> None:
-    """Raise unless ``t`` is a contiguous CPU tensor of ``dtype`` (and ``numel`` values)."""
-    if not t.is_cpu or t.dtype != dtype or not t.is_contiguous() or (numel is not None and t.numel() != numel):
+    """Raise unless ``t`` :func:`fits` (``dtype``, ``numel``)."""
+    if not fits(t, dtype, numel):
         raise ValueError(f"{name} (native): {what} must be a contiguous CPU {dtype} tensor"
                          + (f" of {numel} values" if numel is not None else "")
                          + f"; got {t.device} {t.dtype} of {t.numel()} values (contiguous={t.is_contiguous()})")
@@ -169,13 +174,10 @@ class Direct:
         self._id, self._n, self._dtype, self._sdtype, self._fixed, self._name = (
             codec_id, numel, dtype, state_dtype, fixed_bytes, name)
 
-    def _ok(self, t: torch.Tensor, dtype: torch.dtype) -> bool:
-        return t.is_cpu and t.dtype == dtype and t.numel() == self._n and t.is_contiguous()
-
     def encode(self, *, shard: torch.Tensor, state: torch.Tensor, out: torch.Tensor) -> bool:
         cap = out.numel()
-        if not (self._ok(shard, self._dtype) and self._ok(state, self._sdtype) and out.is_cpu
-                and out.dtype == torch.uint8 and out.is_contiguous() and cap >= self._fixed and cap % 16 == 0):
+        if not (fits(shard, self._dtype, self._n) and fits(state, self._sdtype, self._n)
+                and fits(out, torch.uint8) and cap >= self._fixed and cap % 16 == 0):
             return False
         rc = self._lib.ciera_encode(self._id, self._addr, shard.data_ptr(), state.data_ptr(), out.data_ptr(), cap,
                                     threads())
@@ -183,8 +185,7 @@ class Direct:
         return True
 
     def decode(self, *, payload: torch.Tensor, target: torch.Tensor) -> bool:
-        if not (self._ok(target, self._dtype) and payload.is_cpu and payload.dtype == torch.uint8
-                and payload.is_contiguous() and payload.dim() == 1):
+        if not (fits(target, self._dtype, self._n) and fits(payload, torch.uint8) and payload.dim() == 1):
             return False
         rc = self._lib.ciera_decode(self._id, self._addr, payload.data_ptr(), payload.numel(), target.data_ptr(),
                                     threads())
