@@ -302,6 +302,41 @@ def test_short_shards_and_odd_thread_splits_equal_the_reference(name, dtype, thr
                                         threads=threads, monkeypatch=monkeypatch)
 
 
+@pytest.mark.parametrize("name", NATIVE_CODECS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_partial_capacities_equal_the_reference(name, dtype, threads, monkeypatch):
+    """Capacities between the fixed part and the payload: the room for exponent slots (delta:
+    blocks) runs out inside a 64-value tile, on a tile's edge and inside a later thread's chunk.
+    Every path (portable, AVX2, AVX-512) at 1 and 3 threads writes the reference's bytes over the
+    whole buffer (nothing past what fits), the same overflow header, and the same state."""
+    n = 4_099
+    tr = AdamTrajectory(numel=n, dtype=dtype, lr=3e-4, seed=11)
+    x = tr.step()
+    y = tr.step()
+    ref = make_codec(name, dtype=dtype, numel=n, backend="torch")
+    nat = make_codec(name, dtype=dtype, numel=n, backend="native")
+    full = ref.clamp_capacity(ref.max_bytes)
+    probe = torch.empty(full, dtype=torch.uint8)
+    ref.encode(shard=y, state=ref.new_state(shard=x), out=probe)
+    needed = int(probe[16:24].view(torch.int64)[0])
+    assert needed > ref.fixed_bytes + 64, "the step must change enough to overflow part-way"
+    caps = sorted({ref.clamp_capacity(ref.fixed_bytes + (needed - ref.fixed_bytes) * f // 8) for f in (1, 3, 5, 7)})
+    for cap in caps:
+        want, want_state = torch.full((cap,), 0x3C, dtype=torch.uint8), ref.new_state(shard=x)
+        ref.encode(shard=y, state=want_state, out=want)
+        assert int(want[8:16].view(torch.int64)[0]) & 1, cap  # overflowed
+        for avx2, avx512 in (("0", "0"), ("1", "0"), ("1", "1")):
+            monkeypatch.setenv("CIERA_NATIVE_AVX2", avx2)
+            monkeypatch.setenv("CIERA_NATIVE_AVX512", avx512)
+            for k in (1, 3):
+                threads(k)
+                got, state = torch.full((cap,), 0x3C, dtype=torch.uint8), nat.new_state(shard=x)
+                nat.encode(shard=y, state=state, out=got)
+                diff = (got != want).nonzero().flatten()
+                assert diff.numel() == 0, (cap, avx2, avx512, k, diff[:8].tolist())
+                assert torch.equal(state, want_state), (cap, avx2, avx512, k)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(name=st.sampled_from(NATIVE_CODECS), dtype=st.sampled_from(DTYPES), data=st.data())
 def test_corrupt_payloads_never_crash(name, dtype, data):

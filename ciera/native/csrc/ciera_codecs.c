@@ -108,6 +108,9 @@ ALWAYS_INLINE void store_le(uint8_t *p, uint64_t v, int nbytes) {
 
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+/* Bits [0, k) set, for any k >= 0 (BZHI reads only the index's low byte). */
+ALWAYS_INLINE uint64_t lowmask64(int64_t k) { return k >= 64 ? ~0ull : k <= 0 ? 0 : ((1ull << k) - 1); }
+
 /* Chunk k of `threads` over `units` units of `unit` values: [*lo, *hi) in values, clipped to n. */
 static void chunk_of(int k, int threads, int64_t units, int64_t unit, int64_t n, int64_t *lo, int64_t *hi) {
     int64_t per = (units + threads - 1) / threads;
@@ -127,6 +130,32 @@ static uint8_t *thread_scratch(size_t nbytes) {
     }
     return buf;
 }
+
+/* CPU features, checked per call (the environment variables let the tests force each path). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(CIERA_NO_CLONES)
+#define CIERA_X86 1
+#include <immintrin.h>
+#define AVX2_FN __attribute__((target("avx2,bmi,bmi2")))
+#define AVX512_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx2,bmi,bmi2,popcnt")))
+/* CIERA_NATIVE_AVX2=0 in the environment takes the portable paths (the tests compare both). */
+static int cpu_avx2(void) {
+    const char *env = getenv("CIERA_NATIVE_AVX2");
+    if (env && env[0] == '0') return 0;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi2");
+}
+/* CIERA_NATIVE_AVX512=0 keeps the AVX2 paths (the tests compare all three). */
+static int cpu_avx512(void) {
+    const char *env = getenv("CIERA_NATIVE_AVX512");
+    if ((env && env[0] == '0') || !cpu_avx2()) return 0;
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi");
+}
+#else
+#define CIERA_X86 0
+static int cpu_avx2(void) { return 0; }
+static int cpu_avx512(void) { return 0; }
+#endif
 
 /* ============================================================================================
  * exponent_reuse
@@ -221,6 +250,66 @@ HOT static int64_t er_encode_range_dispatch(const ciera_er_layout *l, const void
     return er_encode_range(l, 32, 23, 8, 3, 0, shard, state, out, lo, hi, exps, room);
 }
 
+#if CIERA_X86
+/* bf16, B = 8 on AVX-512 (VBMI): one 64-value tile per step, as the portable loop but in
+ * registers. The tile's low and high bytes come out of its two vectors by two byte permutes;
+ * sign|mantissa = high bit 7 | low bits 0-6, exponent = high << 1 | low >> 7. Its 8 blocks are the
+ * tile's 8 qwords of exponent bytes: one test gives the tile's bitmap byte, one compress its
+ * changed blocks' exponents, stored under a mask (never past `room` slots, nothing else written).
+ * Encodes the whole tiles of [lo, hi) (lo a multiple of 64); *end: where they stop. */
+static const uint8_t er_even[64] = {0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                                    32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62,
+                                    64, 66, 68, 70, 72, 74, 76, 78, 80, 82, 84, 86, 88, 90, 92, 94,
+                                    96, 98, 100, 102, 104, 106, 108, 110, 112, 114, 116, 118, 120, 122, 124, 126};
+
+AVX512_FN static int64_t er_encode_bf16_b8_avx512(const ciera_er_layout *l, const uint16_t *shard, uint8_t *state,
+                                                  uint8_t *out, int64_t lo, int64_t hi, uint8_t *exps, int64_t room,
+                                                  int64_t *end) {
+    uint8_t *sm_out = out + l->off_signmant, *bitmap = out + l->off_bitmap;
+    const __m512i even = _mm512_loadu_si512(er_even), odd = _mm512_add_epi8(even, _mm512_set1_epi8(1));
+    const __m512i m80 = _mm512_set1_epi8((char)0x80), one = _mm512_set1_epi8(1);
+    int64_t n_changed = 0, t0 = lo;
+    for (; t0 + 64 <= hi; t0 += 64) {
+        const __m512i a = _mm512_loadu_si512(shard + t0), b = _mm512_loadu_si512(shard + t0 + 32);
+        const __m512i L = _mm512_permutex2var_epi8(a, even, b), H = _mm512_permutex2var_epi8(a, odd, b);
+        const __m512i sm = _mm512_ternarylogic_epi32(m80, H, L, 0xCA);                       /* m ? H : L */
+        const __m512i e = _mm512_ternarylogic_epi32(_mm512_add_epi8(H, H), _mm512_srli_epi16(L, 7), one, 0xF8);
+        const __m512i old = _mm512_loadu_si512(state + t0);
+        _mm512_storeu_si512(state + t0, e);
+        _mm512_storeu_si512(sm_out + t0, sm);
+        const __mmask8 ch = _mm512_test_epi64_mask(_mm512_xor_si512(e, old), _mm512_xor_si512(e, old));
+        bitmap[t0 >> 6] = (uint8_t)ch;
+        const int c = __builtin_popcount(ch);
+        const int64_t fit = min64(c, room - n_changed < 0 ? 0 : room - n_changed);
+        if (fit > 0)
+            _mm512_mask_storeu_epi64(exps + n_changed * 8, (__mmask8)lowmask64(fit), _mm512_maskz_compress_epi64(ch, e));
+        n_changed += c;
+    }
+    *end = t0;
+    return n_changed;
+}
+#endif
+
+/* bf16 with blocks of 8 (the default) has the AVX-512 paths below, where the CPU has them. */
+static int er_fast(const ciera_er_layout *l) {
+    return l->total_bits == 16 && l->mant_bits == 7 && l->block_size == 8 && cpu_avx512();
+}
+
+/* Sign|mantissa, bitmap, exponents of the changed blocks (their first `room` slots into exps) and
+ * new state for values [lo, hi) (lo a multiple of 64); returns the number of changed blocks. */
+static int64_t er_encode_chunk(const ciera_er_layout *l, const void *shard, uint8_t *state, uint8_t *out, int64_t lo,
+                               int64_t hi, uint8_t *exps, int64_t room, int fast) {
+    int64_t c = 0;
+#if CIERA_X86
+    if (fast) c = er_encode_bf16_b8_avx512(l, (const uint16_t *)shard, state, out, lo, hi, exps, room, &lo);
+#else
+    (void)fast;
+#endif
+    if (lo >= hi) return c;
+    const int64_t rest = room - c < 0 ? 0 : room - c;
+    return c + er_encode_range_dispatch(l, shard, state, out, lo, hi, exps + min64(c, room) * l->block_size, rest);
+}
+
 static int er_supported(const ciera_er_layout *l) {
     int bf16 = l->total_bits == 16 && l->mant_bits == 7 && l->exp_bits == 8 && l->sm_bytes == 1 && l->n_planes == 0;
     int fp16 = l->total_bits == 16 && l->mant_bits == 10 && l->exp_bits == 5 && l->sm_bytes == 1 && l->n_planes == 3;
@@ -252,6 +341,7 @@ int64_t ciera_er_encode(const ciera_er_layout *l, const void *shard, uint8_t *st
         return l->off_exps;
     }
     int nomem = 0;
+    const int fast = er_fast(l);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int k = CIERA_THREAD_ID();
@@ -275,7 +365,7 @@ int64_t ciera_er_encode(const ciera_er_layout *l, const void *shard, uint8_t *st
                 nomem = 1;
             }
         }
-        int64_t c = hi > lo ? er_encode_range_dispatch(l, shard, state, out, lo, hi, dst, room) : 0;
+        int64_t c = hi > lo ? er_encode_chunk(l, shard, state, out, lo, hi, dst, room, fast) : 0;
         changed[k + 1] = B <= 64 ? c : (hi > lo ? popcount_blocks(out + l->off_bitmap, blo, bhi) : 0);
 #pragma omp barrier
         int64_t base = 0;
@@ -364,6 +454,57 @@ HOT static void er_decode_range_dispatch(const ciera_er_layout *l, const uint8_t
         er_decode_range(l, 32, 23, 8, 3, 0, payload, target, lo, hi, slot);
 }
 
+#if CIERA_X86
+/* Inverse of er_encode_bf16_b8_avx512 over the whole tiles of [lo, hi), changed blocks from slot
+ * on: each tile's changed blocks' exponents are loaded under a mask (slots past the bitmap's count
+ * are never read) and expanded to their qwords; for the others the target's own high bits 0-6 and
+ * low bit 7 stay. *end: where the tiles stop; returns the next slot. */
+static const uint8_t er_ilv[128] = {
+    0,  64,  1,  65,  2,  66,  3,  67,  4,  68,  5,  69,  6,  70,  7,  71,  8,  72,  9,  73,  10, 74,
+    11, 75,  12, 76,  13, 77,  14, 78,  15, 79,  16, 80,  17, 81,  18, 82,  19, 83,  20, 84,  21, 85,
+    22, 86,  23, 87,  24, 88,  25, 89,  26, 90,  27, 91,  28, 92,  29, 93,  30, 94,  31, 95,  32, 96,
+    33, 97,  34, 98,  35, 99,  36, 100, 37, 101, 38, 102, 39, 103, 40, 104, 41, 105, 42, 106, 43, 107,
+    44, 108, 45, 109, 46, 110, 47, 111, 48, 112, 49, 113, 50, 114, 51, 115, 52, 116, 53, 117, 54, 118,
+    55, 119, 56, 120, 57, 121, 58, 122, 59, 123, 60, 124, 61, 125, 62, 126, 63, 127};
+
+AVX512_FN static int64_t er_decode_bf16_b8_avx512(const ciera_er_layout *l, const uint8_t *payload, uint16_t *target,
+                                                  int64_t lo, int64_t hi, int64_t slot, int64_t *end) {
+    const uint8_t *sm_in = payload + l->off_signmant, *bitmap = payload + l->off_bitmap, *exps = payload + l->off_exps;
+    const __m512i even = _mm512_loadu_si512(er_even), odd = _mm512_add_epi8(even, _mm512_set1_epi8(1));
+    const __m512i i0 = _mm512_loadu_si512(er_ilv), i1 = _mm512_loadu_si512(er_ilv + 64);
+    const __m512i m80 = _mm512_set1_epi8((char)0x80);
+    int64_t t0 = lo;
+    for (; t0 + 64 <= hi; t0 += 64) {
+        const __m512i a = _mm512_loadu_si512(target + t0), b = _mm512_loadu_si512(target + t0 + 32);
+        const __m512i sm = _mm512_loadu_si512(sm_in + t0);
+        const __mmask8 ch = (__mmask8)bitmap[t0 >> 6];
+        const int c = __builtin_popcount(ch);
+        const __m512i e = _mm512_maskz_expand_epi64(ch, _mm512_maskz_loadu_epi64((__mmask8)lowmask64(c), exps + slot * 8));
+        slot += c;
+        /* exponent bits: high byte bits 0-6 = e >> 1, low byte bit 7 = e & 1 (changed blocks only) */
+        __m512i L = _mm512_permutex2var_epi8(a, even, b), H = _mm512_permutex2var_epi8(a, odd, b);
+        H = _mm512_mask_blend_epi64(ch, H, _mm512_srli_epi16(e, 1));
+        L = _mm512_mask_blend_epi64(ch, L, _mm512_slli_epi16(e, 7));
+        const __m512i hi8 = _mm512_ternarylogic_epi32(m80, sm, H, 0xCA), lo8 = _mm512_ternarylogic_epi32(m80, L, sm, 0xCA);
+        _mm512_storeu_si512(target + t0, _mm512_permutex2var_epi8(lo8, i0, hi8));
+        _mm512_storeu_si512(target + t0 + 32, _mm512_permutex2var_epi8(lo8, i1, hi8));
+    }
+    *end = t0;
+    return slot;
+}
+#endif
+
+/* Decodes values [lo, hi) (lo a multiple of 64), changed blocks from slot on. */
+static void er_decode_chunk(const ciera_er_layout *l, const uint8_t *payload, void *target, int64_t lo, int64_t hi,
+                            int64_t slot, int fast) {
+#if CIERA_X86
+    if (fast) slot = er_decode_bf16_b8_avx512(l, payload, (uint16_t *)target, lo, hi, slot, &lo);
+#else
+    (void)fast;
+#endif
+    if (lo < hi) er_decode_range_dispatch(l, payload, target, lo, hi, slot);
+}
+
 int ciera_er_decode(const ciera_er_layout *l, const uint8_t *payload, int64_t length, void *target, int threads) {
     if (!er_supported(l)) return CIERA_E_ARGS;
     const int64_t n = l->numel, B = l->block_size, unit = er_unit(l);
@@ -382,12 +523,13 @@ int ciera_er_decode(const ciera_er_layout *l, const uint8_t *payload, int64_t le
         base[k + 1] = base[k] + (hi > lo ? popcount_blocks(bitmap, blo, bhi) : 0);
     }
     if (base[threads] > er_slots(l, length)) return CIERA_E_TOO_MANY_BLOCKS;
+    const int fast = er_fast(l);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int k = CIERA_THREAD_ID();
         int64_t lo, hi;
         chunk_of(k, threads, units, unit, n, &lo, &hi);
-        if (hi > lo) er_decode_range_dispatch(l, payload, target, lo, hi, base[k]);
+        if (hi > lo) er_decode_chunk(l, payload, target, lo, hi, base[k], fast);
     }
     return CIERA_OK;
 }
@@ -450,29 +592,6 @@ typedef struct {
     uint8_t tab[256];     /* the table, zero padded to 256 entries (whole-vector loads) */
 } delta_wctx;
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(CIERA_NO_CLONES)
-#define CIERA_X86 1
-#include <immintrin.h>
-#define AVX2_FN __attribute__((target("avx2,bmi,bmi2")))
-/* CIERA_NATIVE_AVX2=0 in the environment takes the portable paths (the tests compare both). */
-static int cpu_avx2(void) {
-    const char *env = getenv("CIERA_NATIVE_AVX2");
-    if (env && env[0] == '0') return 0;
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi2");
-}
-/* CIERA_NATIVE_AVX512=0 keeps the AVX2 paths (the tests compare all three). */
-static int cpu_avx512(void) {
-    const char *env = getenv("CIERA_NATIVE_AVX512");
-    if ((env && env[0] == '0') || !cpu_avx2()) return 0;
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi");
-}
-#else
-#define CIERA_X86 0
-static int cpu_avx2(void) { return 0; }
-static int cpu_avx512(void) { return 0; }
-#endif
 
 static void delta_wctx_init(delta_wctx *c, const uint8_t *table, int E) {
     c->table = table;
@@ -532,11 +651,8 @@ AVX2_FN static int64_t group_bytes64_avx2(const uint8_t *ww, int n) {
 }
 #endif
 
-/* Bits [0, k) set, for any k >= 0 (BZHI reads only the index's low byte). */
-ALWAYS_INLINE uint64_t lowmask64(int64_t k) { return k >= 64 ? ~0ull : k <= 0 ? 0 : ((1ull << k) - 1); }
 
 #if CIERA_X86
-#define AVX512_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx2,bmi,bmi2,popcnt")))
 /* Width lookups on AVX-512 VBMI: the 256-entry table is four registers, looked up 64 indices at a
  * time with two two-register byte permutes (index bits 0-6) and a blend on bit 7. ww gets zeros
  * from n up to the next multiple of 64 (it is written that far); idx is read only below n. */
