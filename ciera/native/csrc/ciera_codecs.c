@@ -668,34 +668,11 @@ AVX512_FN static void widths_avx512(const delta_wctx *c, const uint8_t *idx, uin
     }
 }
 
-/* Widths of the `valid` previous 16-bit values at prev (exponent field at bit M, E bits) into ww
- * (zero up to the next multiple of 64; ww holds DELTA_MAX_BLOCK + 128 bytes); returns the
- * table-mode bytes of its groups of G values. */
-AVX512_FN static int64_t block_widths16_avx512(const delta_wctx *c, int M, int E, const uint16_t *prev, int valid,
-                                               int G, uint8_t *ww) {
-    uint8_t ee[DELTA_MAX_BLOCK + 64];
-    const __m512i emask = _mm512_set1_epi16((short)((1 << E) - 1));
-    const __m128i sm = _mm_cvtsi32_si128(M);
-    for (int j = 0; j < valid; j += 32) {
-        _mm_prefetch((const char *)(prev + j + 1024), _MM_HINT_T0); /* a hint: never faults */
-        __m512i old = _mm512_maskz_loadu_epi16((__mmask32)lowmask64(valid - j), prev + j);
-        _mm256_storeu_si256((__m256i *)(ee + j), _mm512_cvtepi16_epi8(_mm512_and_si512(_mm512_srl_epi16(old, sm), emask)));
-    }
-    widths_avx512(c, ee, ww, valid);
-    if (G == 64) return group_bytes64_avx2(ww, valid);
-    int64_t bytes = 0;
-    for (int g0 = 0; g0 < valid; g0 += G) {
-        uint32_t gbits = 0;
-        for (int j = g0; j < g0 + G; j++) gbits += ww[j]; /* zero past valid */
-        bytes += (gbits + 7) / 8;
-    }
-    return bytes;
-}
-
-/* Table-mode bytes of the groups of 64 of the `valid` previous 16-bit values at prev: the sizing
- * pass of a threaded decode, in registers (exponents packed to bytes by one permute, widths by
- * two, group bits by SAD). */
-AVX512_FN static int64_t block_bytes16_avx512(const delta_wctx *c, int M, int E, const uint16_t *prev, int valid) {
+/* Table-mode bytes of the groups of 64 of the `valid` previous 16-bit values at prev, in registers
+ * (exponents packed to bytes by one permute, widths by two, group bits by SAD): the sizing pass of
+ * a threaded decode, and with ww (not NULL) also the widths (zero up to the next multiple of 64). */
+AVX512_FN static int64_t block_bytes16_avx512(const delta_wctx *c, int M, int E, const uint16_t *prev, int valid,
+                                              uint8_t *ww) {
     static const uint8_t even[64] = {0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
                                      32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62,
                                      64, 66, 68, 70, 72, 74, 76, 78, 80, 82, 84, 86, 88, 90, 92, 94,
@@ -713,7 +690,33 @@ AVX512_FN static int64_t block_bytes16_avx512(const delta_wctx *c, int M, int E,
         __m512i e = _mm512_permutex2var_epi8(a, ev, b);
         __m512i w = _mm512_mask_blend_epi8(_mm512_movepi8_mask(e), _mm512_permutex2var_epi8(t0, e, t1), _mm512_permutex2var_epi8(t2, e, t3));
         w = _mm512_maskz_mov_epi8(lowmask64(valid - j), w);
+        if (ww) _mm512_storeu_si512(ww + j, w);
         bytes += (int64_t)(((uint64_t)_mm512_reduce_add_epi64(_mm512_sad_epu8(w, _mm512_setzero_si512())) + 7) >> 3);
+    }
+    return bytes;
+}
+
+/* Widths of the `valid` previous 16-bit values at prev (exponent field at bit M, E bits) into ww
+ * (zero up to the next multiple of 64; ww holds DELTA_MAX_BLOCK + 128 bytes); returns the
+ * table-mode bytes of its groups of G values. */
+AVX512_FN static int64_t block_widths16_avx512(const delta_wctx *c, int M, int E, const uint16_t *prev, int valid,
+                                               int G, uint8_t *ww) {
+    if (G == 64) return block_bytes16_avx512(c, M, E, prev, valid, ww);
+    uint8_t ee[DELTA_MAX_BLOCK + 64];
+    const __m512i emask = _mm512_set1_epi16((short)((1 << E) - 1));
+    const __m128i sm = _mm_cvtsi32_si128(M);
+    for (int j = 0; j < valid; j += 32) {
+        _mm_prefetch((const char *)(prev + j + 1024), _MM_HINT_T0); /* a hint: never faults */
+        __m512i old = _mm512_maskz_loadu_epi16((__mmask32)lowmask64(valid - j), prev + j);
+        _mm256_storeu_si256((__m256i *)(ee + j), _mm512_cvtepi16_epi8(_mm512_and_si512(_mm512_srl_epi16(old, sm), emask)));
+    }
+    widths_avx512(c, ee, ww, valid);
+    if (G == 64) return group_bytes64_avx2(ww, valid);
+    int64_t bytes = 0;
+    for (int g0 = 0; g0 < valid; g0 += G) {
+        uint32_t gbits = 0;
+        for (int j = g0; j < g0 + G; j++) gbits += ww[j]; /* zero past valid */
+        bytes += (gbits + 7) / 8;
     }
     return bytes;
 }
@@ -981,6 +984,9 @@ AVX512_FN static int64_t delta_encode_block16_avx512(const ciera_delta_layout *l
     uint16_t exc[DELTA_MAX_BLOCK];
     const __m512i emask = _mm512_set1_epi16((short)((1 << E) - 1)), one = _mm512_set1_epi16(1);
     const __m128i sm = _mm_cvtsi32_si128(M);
+    /* groups of 64: widths and group bytes in registers from the previous values (before the
+       loop below replaces them with the new ones) */
+    int64_t bytes = G == 64 ? block_bytes16_avx512(wc, M, E, state + v0, valid, ww) : 0;
     for (int j = 0; j < valid; j += 32) { /* lanes past valid: 0 (masked loads) */
         const __mmask32 k = (__mmask32)lowmask64(valid - j);
         _mm_prefetch((const char *)(state + v0 + j + 1024), _MM_HINT_T0); /* a hint: never faults */
@@ -989,9 +995,13 @@ AVX512_FN static int64_t delta_encode_block16_avx512(const ciera_delta_layout *l
         _mm512_mask_storeu_epi16(state + v0 + j, k, nw);
         __m512i d = _mm512_sub_epi16(nw, old);
         _mm512_storeu_si512(z16 + j, _mm512_xor_si512(_mm512_slli_epi16(d, 1), _mm512_srai_epi16(d, 15)));
-        _mm256_storeu_si256((__m256i *)(ee + j), _mm512_cvtepi16_epi8(_mm512_and_si512(_mm512_srl_epi16(old, sm), emask)));
+        if (G != 64)
+            _mm256_storeu_si256((__m256i *)(ee + j), _mm512_cvtepi16_epi8(_mm512_and_si512(_mm512_srl_epi16(old, sm), emask)));
     }
-    widths_avx512(wc, ee, ww, valid);
+    if (G != 64) {
+        widths_avx512(wc, ee, ww, valid);
+        bytes = group_bytes_small(ww, valid, G);
+    }
     int n_exc = 0;
     for (int j = 0; j < valid; j += 32) {
         __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(ww + j)));
@@ -1000,7 +1010,6 @@ AVX512_FN static int64_t delta_encode_block16_avx512(const ciera_delta_layout *l
         uint32_t x = _mm512_test_epi16_mask(_mm512_loadu_si512(z16 + j), _mm512_ternarylogic_epi32(m, m, m, 0x55));
         for (; x; x &= x - 1) exc[n_exc++] = (uint16_t)(j + __builtin_ctz(x));
     }
-    int64_t bytes = G == 64 ? group_bytes64_avx2(ww, valid) : group_bytes_small(ww, valid, G);
     int64_t table_size = bytes + (int64_t)n_exc * (I + 2), raw_size = (int64_t)valid * 2;
     int raw = table_size > raw_size;
     int64_t size = raw ? raw_size : table_size;
@@ -1295,7 +1304,7 @@ ALWAYS_INLINE int64_t delta_block_size(const ciera_delta_layout *l, int W, int M
     if ((int64_t)c > valid) return CIERA_E_BAD_COUNT;
 #if CIERA_X86
     if (W == 16 && wc->avx512 && l->group_size == 64)
-        return block_bytes16_avx512(wc, M, E, (const uint16_t *)target + b * l->block_size, (int)valid) + (int64_t)c * (I + S);
+        return block_bytes16_avx512(wc, M, E, (const uint16_t *)target + b * l->block_size, (int)valid, NULL) + (int64_t)c * (I + S);
 #endif
     return delta_block_widths(l, W, M, E, wc, target, b, ww) + (int64_t)c * (I + S);
 }
