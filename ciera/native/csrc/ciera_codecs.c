@@ -951,19 +951,25 @@ AVX512_FN static int pack_group64_avx512(const uint16_t *z16, const uint8_t *ww,
     const __mmask8 m0 = _mm512_cmpneq_epi64_mask(K[0], _mm512_alignr_epi64(K[1], K[0], 1));
     const __mmask8 m1 = _mm512_cmpneq_epi64_mask(K[1], _mm512_alignr_epi64(_mm512_set1_epi64(-1), K[1], 1));
     const int c0 = __builtin_popcount(m0), nw = c0 + __builtin_popcount(m1);
-    uint64_t sa[2 + 8 + 8 + 8], sb[2 + 8 + 8 + 8]; /* two zeros, then the running sums at word ends */
-    sa[0] = sa[1] = sb[0] = sb[1] = 0;
-    _mm512_storeu_si512(sa + 2, _mm512_maskz_compress_epi64(m0, A[0]));
-    _mm512_storeu_si512(sb + 2, _mm512_maskz_compress_epi64(m0, Bs[0]));
-    _mm512_storeu_si512(sa + 2 + c0, _mm512_maskz_compress_epi64(m1, A[1]));
-    _mm512_storeu_si512(sb + 2 + c0, _mm512_maskz_compress_epi64(m1, Bs[1]));
-    for (int j = nw; j < 18; j++) sa[2 + j] = sa[1 + nw], sb[2 + j] = sb[1 + nw]; /* words past the last: nothing more */
+    /* The running sums at word ends, concatenated over the two halves (word j's sum at lane j; lanes
+       past the last word repeat it: those words get nothing more), by two-register permutes. */
+    const __m512i iota = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0), c0v = _mm512_set1_epi64(c0);
+    const __m512i last = _mm512_set1_epi64(nw - 1);
+    const __m512i g0 = _mm512_min_epu64(iota, last), g1 = _mm512_min_epu64(_mm512_add_epi64(iota, _mm512_set1_epi64(8)), last);
+    const __m512i ix0 = _mm512_mask_add_epi64(g0, _mm512_cmpge_epu64_mask(g0, c0v), g0, _mm512_set1_epi64(8 - c0));
+    const __m512i ix1 = _mm512_sub_epi64(g1, c0v); /* lanes 8..15 all lie in the second half's words */
+    const __m512i ca0 = _mm512_maskz_compress_epi64(m0, A[0]), ca1 = _mm512_maskz_compress_epi64(m1, A[1]);
+    const __m512i cb0 = _mm512_maskz_compress_epi64(m0, Bs[0]), cb1 = _mm512_maskz_compress_epi64(m1, Bs[1]);
+    const __m512i xa0 = _mm512_permutex2var_epi64(ca0, ix0, ca1), xa1 = _mm512_permutexvar_epi64(ix1, ca1);
+    const __m512i xb0 = _mm512_permutex2var_epi64(cb0, ix0, cb1), xb1 = _mm512_permutexvar_epi64(ix1, cb1);
+    /* word j = (SA[j] - SA[j-1]) + (SB[j-1] - SB[j-2]), sums before word 0 being 0 */
+    const __m512i w0 = _mm512_add_epi64(_mm512_sub_epi64(xa0, _mm512_alignr_epi64(xa0, zero, 7)),
+                                        _mm512_sub_epi64(_mm512_alignr_epi64(xb0, zero, 7), _mm512_alignr_epi64(xb0, zero, 6)));
+    const __m512i w1 = _mm512_add_epi64(_mm512_sub_epi64(xa1, _mm512_alignr_epi64(xa1, xa0, 7)),
+                                        _mm512_sub_epi64(_mm512_alignr_epi64(xb1, xb0, 7), _mm512_alignr_epi64(xb1, xb0, 6)));
     const int gb = (int)((bits + 7) >> 3);
-    for (int v = 0; v < 2; v++) { /* word j = (SA[j] - SA[j-1]) + (SB[j-1] - SB[j-2]) */
-        __m512i wv = _mm512_add_epi64(_mm512_sub_epi64(_mm512_loadu_si512(sa + 2 + 8 * v), _mm512_loadu_si512(sa + 1 + 8 * v)),
-                                      _mm512_sub_epi64(_mm512_loadu_si512(sb + 1 + 8 * v), _mm512_loadu_si512(sb + 8 * v)));
-        _mm512_mask_storeu_epi8(dst + 64 * v, lowmask64(gb - 64 * v), wv);
-    }
+    _mm512_mask_storeu_epi8(dst, lowmask64(gb), w0);
+    _mm512_mask_storeu_epi8(dst + 64, lowmask64(gb - 64), w1);
     return gb;
 }
 
