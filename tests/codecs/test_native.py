@@ -337,6 +337,40 @@ def test_partial_capacities_equal_the_reference(name, dtype, threads, monkeypatc
                 assert torch.equal(state, want_state), (cap, avx2, avx512, k)
 
 
+@pytest.mark.parametrize("kind", ["two_keys", "sample_misses"])
+def test_delta_histogram_counts_equal_the_reference_on_skewed_shards(kind, threads, monkeypatch):
+    """delta's 16-bit histogram counts its most frequent keys (chosen from a sample) in 16-bit
+    register lanes. ``two_keys``: 2^21 values of one exponent, 70% unchanged and 30% one ulp up,
+    so the unchanged key's lanes pass 2^15 (they must be flushed before they read negative) and
+    the table's width for that exponent depends on both counts. ``sample_misses``: the sample sees
+    only unchanged values, every other value moves (the keys it chose are rare). Both give the
+    reference's table and bytes on every path."""
+    n = 1 << 21
+    x = torch.full((n,), 0.75, dtype=torch.bfloat16)
+    if kind == "two_keys":
+        y = x.clone()
+        up = torch.arange(n) % 10 < 3
+        y.view(torch.int16)[up] += 1
+    else:  # the sample reads values i * n / 1024: those stay, every other value moves
+        gen = torch.Generator().manual_seed(3)
+        x = (torch.randn(n, generator=gen) * 0.02).to(torch.bfloat16)
+        y = (x.float() + torch.randn(n, generator=gen) * 1e-3).to(torch.bfloat16)
+        keep = torch.arange(1024) * n // 1024
+        y[keep] = x[keep]
+    ref = make_codec("delta", dtype=torch.bfloat16, numel=n, backend="torch")
+    nat = make_codec("delta", dtype=torch.bfloat16, numel=n, backend="native")
+    cap = ref.clamp_capacity(ref.max_bytes)
+    want = torch.zeros(cap, dtype=torch.uint8)
+    ref.encode(shard=y, state=ref.new_state(shard=x), out=want)
+    for avx512 in ("0", "1"):
+        monkeypatch.setenv("CIERA_NATIVE_AVX512", avx512)
+        for k in (1, 2):
+            threads(k)
+            got = torch.zeros(cap, dtype=torch.uint8)
+            nat.encode(shard=y, state=nat.new_state(shard=x), out=got)
+            assert torch.equal(got, want), (kind, avx512, k)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(name=st.sampled_from(NATIVE_CODECS), dtype=st.sampled_from(DTYPES), data=st.data())
 def test_corrupt_payloads_never_crash(name, dtype, data):

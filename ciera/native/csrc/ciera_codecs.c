@@ -833,6 +833,100 @@ ALWAYS_INLINE void delta_hist_range(int W, int M, int E, const void *shard, cons
     }
 }
 
+#if CIERA_X86
+#define AVX512CD_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512vbmi2,avx512cd,avx2,bmi,bmi2,popcnt")))
+#define HIST_HOT 6   /* keys counted in registers */
+#define HIST_BUF 2048 /* the other keys, counted when this many wait */
+
+static int cpu_avx512cd(void) {
+    return cpu_avx512() && __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512vbmi2");
+}
+
+/* delta_hist_range for 16-bit values on AVX-512 (+CD): the same counts. A scalar increment per
+ * value is the floor of the portable loop (about one per cycle), and a few keys hold most values
+ * (a value that does not move has bit length 0, and weights span few exponents), so the
+ * HIST_HOT most frequent keys of a sample of the values are counted in registers -- one compare and one
+ * masked add per 32 values each, into 16-bit lanes flushed before they can wrap -- and only the
+ * other values are incremented one by one. Which keys are hot changes the speed, never the
+ * counts. */
+AVX512CD_FN static void hist16_avx512(int M, int E, const uint16_t *shard, const uint16_t *state, int64_t lo,
+                                      int64_t hi, uint32_t *hist) {
+    const int64_t nh = ((int64_t)1 << E) * 17;
+    if (hi - lo < 4096) {
+        delta_hist_range(16, M, E, shard, state, lo, hi, hist);
+        return;
+    }
+    /* the hot keys: the most frequent among 1024 values spread over the range (not counted) */
+    uint16_t sample[256 * 17];
+    memset(sample, 0, (size_t)nh * sizeof sample[0]);
+    const uint32_t emask16 = (1u << E) - 1;
+    for (int64_t i = 0; i < 1024; i++) {
+        const int64_t j = lo + (hi - lo) * i / 1024;
+        const uint32_t z = zigzag_u(shard[j], state[j], 16);
+        sample[((state[j] >> M) & emask16) * 17 + bitlen_u(z)]++;
+    }
+    uint32_t best[HIST_HOT];
+    uint16_t hot[HIST_HOT];
+    for (int h = 0; h < HIST_HOT; h++) best[h] = 0, hot[h] = 0xFFFF; /* 0xFFFF: no key (keys < 2^8 * 17) */
+    for (int64_t key = 0; key < nh; key++) { /* insertion into a short sorted list */
+        const uint32_t c = sample[key];
+        if (c <= best[HIST_HOT - 1]) continue;
+        int h = HIST_HOT - 1;
+        for (; h > 0 && best[h - 1] < c; h--) best[h] = best[h - 1], hot[h] = hot[h - 1];
+        best[h] = c, hot[h] = (uint16_t)key;
+    }
+    __m512i hv[HIST_HOT], acc[HIST_HOT];
+    for (int h = 0; h < HIST_HOT; h++) hv[h] = _mm512_set1_epi16((short)hot[h]), acc[h] = _mm512_setzero_si512();
+    const __m512i emask = _mm512_set1_epi16((short)((1 << E) - 1)), c17 = _mm512_set1_epi16(17);
+    const __m512i c32 = _mm512_set1_epi32(32), ones = _mm512_set1_epi16(1);
+    const __m128i sm = _mm_cvtsi32_si128(M);
+    uint16_t buf[HIST_BUF + 32];
+    int nbuf = 0;
+    int64_t steps = 0;
+    for (int64_t t0 = lo; t0 < hi; t0 += 32) {
+        const __mmask32 valid = (__mmask32)lowmask64(hi - t0);
+        _mm_prefetch((const char *)(shard + t0 + 1024), _MM_HINT_T0); /* hints: never fault */
+        _mm_prefetch((const char *)(state + t0 + 1024), _MM_HINT_T0);
+        const __m512i o = _mm512_maskz_loadu_epi16(valid, state + t0), nw = _mm512_maskz_loadu_epi16(valid, shard + t0);
+        const __m512i d = _mm512_sub_epi16(nw, o);
+        const __m512i z = _mm512_xor_si512(_mm512_slli_epi16(d, 1), _mm512_srai_epi16(d, 15));
+        const __m512i la = _mm512_sub_epi32(c32, _mm512_lzcnt_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(z))));
+        const __m512i lb = _mm512_sub_epi32(c32, _mm512_lzcnt_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(z, 1))));
+        const __m512i L = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(la)), _mm512_cvtepi32_epi16(lb), 1);
+        const __m512i k = _mm512_add_epi16(_mm512_mullo_epi16(_mm512_and_si512(_mm512_srl_epi16(o, sm), emask), c17), L);
+        __mmask32 seen = 0;
+        for (int h = 0; h < HIST_HOT; h++) {
+            const __mmask32 m = _mm512_mask_cmpeq_epi16_mask(valid, k, hv[h]);
+            acc[h] = _mm512_mask_add_epi16(acc[h], m, acc[h], ones);
+            seen |= m;
+        }
+        /* the other keys, appended to a buffer (no branch per step) and counted from it */
+        const __mmask32 rest = valid & ~seen;
+        _mm512_storeu_si512(buf + nbuf, _mm512_maskz_compress_epi16(rest, k));
+        nbuf += __builtin_popcount((uint32_t)rest);
+        if (nbuf > HIST_BUF - 32 || t0 + 32 >= hi) {
+            int j = 0;
+            for (; j + 4 <= nbuf; j += 4) {
+                hist[buf[j]]++;
+                hist[nh + buf[j + 1]]++;
+                hist[2 * nh + buf[j + 2]]++;
+                hist[3 * nh + buf[j + 3]]++;
+            }
+            for (; j < nbuf; j++) hist[buf[j]]++;
+            nbuf = 0;
+        }
+        if (++steps == 0x7FFF || t0 + 32 >= hi) { /* a lane gains at most one per step; the sum reads lanes as int16 */
+            for (int h = 0; h < HIST_HOT; h++) {
+                if (hot[h] != 0xFFFF)
+                    hist[hot[h]] += (uint32_t)_mm512_reduce_add_epi32(_mm512_madd_epi16(acc[h], ones));
+                acc[h] = _mm512_setzero_si512();
+            }
+            steps = 0;
+        }
+    }
+}
+#endif
+
 /* Bit packing, word at a time. Values are first merged in registers' worth: for W = 16 pairs
  * (<= 32 bits) then quads (<= 64 bits), for W = 32 pairs (<= 64 bits), in independent (vectorisable)
  * loops; the serial part then appends one <= 64-bit chunk per step to a 64-bit accumulator that
@@ -1176,6 +1270,11 @@ static void delta_choose_table(const ciera_delta_layout *l, const int64_t *hist,
 
 HOT static void delta_hist_dispatch(const ciera_delta_layout *l, const void *shard, const void *state, int64_t lo,
                                        int64_t hi, uint32_t *hist) {
+#if CIERA_X86
+    if (l->total_bits == 16 && cpu_avx512cd())
+        hist16_avx512((int)l->mant_bits, (int)l->exp_bits, shard, state, lo, hi, hist);
+    else
+#endif
     if (l->total_bits == 16 && l->mant_bits == 7) delta_hist_range(16, 7, 8, shard, state, lo, hi, hist);
     else if (l->total_bits == 16) delta_hist_range(16, 10, 5, shard, state, lo, hi, hist);
     else delta_hist_range(32, 23, 8, shard, state, lo, hi, hist);
