@@ -1034,19 +1034,19 @@ AVX512_FN static int pack_group64_avx512(const uint16_t *z16, const uint8_t *ww,
         __m512i sh = _mm512_and_si512(O[h], c63);
         K[h] = _mm512_srli_epi64(O[h], 6);
         A[h] = _mm512_sllv_epi64(Q[h], sh);
-        Bs[h] = _mm512_srlv_epi64(_mm512_srli_epi64(Q[h], 1), _mm512_sub_epi64(c63, sh));
+        Bs[h] = _mm512_srlv_epi64(_mm512_srli_epi64(Q[h], 1), _mm512_sub_epi64(c63, sh)); /* spill into K + 1 */
         CIERA_SCAN8(A[h]);
-        CIERA_SCAN8(Bs[h]);
     }
 #undef CIERA_SCAN8
     A[1] = _mm512_add_epi64(A[1], _mm512_permutexvar_epi64(l7, A[0]));
-    Bs[1] = _mm512_add_epi64(Bs[1], _mm512_permutexvar_epi64(l7, Bs[0]));
     /* the last quad of each word: its word differs from the next quad's (quad 15 is always last) */
     const __mmask8 m0 = _mm512_cmpneq_epi64_mask(K[0], _mm512_alignr_epi64(K[1], K[0], 1));
     const __mmask8 m1 = _mm512_cmpneq_epi64_mask(K[1], _mm512_alignr_epi64(_mm512_set1_epi64(-1), K[1], 1));
     const int c0 = __builtin_popcount(m0), nw = c0 + __builtin_popcount(m1);
-    /* The running sums at word ends, concatenated over the two halves (word j's sum at lane j; lanes
-       past the last word repeat it: those words get nothing more), by two-register permutes. */
+    /* Only a word's last quad can spill into the next word. The running sums of A at word ends and
+       the last quads' spills, concatenated over the two halves (word j's at lane j; past the last
+       word the sums repeat and the spills are 0: those words get nothing more), by two-register
+       permutes. */
     const __m512i iota = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0), c0v = _mm512_set1_epi64(c0);
     const __m512i last = _mm512_set1_epi64(nw - 1);
     const __m512i g0 = _mm512_min_epu64(iota, last), g1 = _mm512_min_epu64(_mm512_add_epi64(iota, _mm512_set1_epi64(8)), last);
@@ -1055,12 +1055,11 @@ AVX512_FN static int pack_group64_avx512(const uint16_t *z16, const uint8_t *ww,
     const __m512i ca0 = _mm512_maskz_compress_epi64(m0, A[0]), ca1 = _mm512_maskz_compress_epi64(m1, A[1]);
     const __m512i cb0 = _mm512_maskz_compress_epi64(m0, Bs[0]), cb1 = _mm512_maskz_compress_epi64(m1, Bs[1]);
     const __m512i xa0 = _mm512_permutex2var_epi64(ca0, ix0, ca1), xa1 = _mm512_permutexvar_epi64(ix1, ca1);
-    const __m512i xb0 = _mm512_permutex2var_epi64(cb0, ix0, cb1), xb1 = _mm512_permutexvar_epi64(ix1, cb1);
-    /* word j = (SA[j] - SA[j-1]) + (SB[j-1] - SB[j-2]), sums before word 0 being 0 */
-    const __m512i w0 = _mm512_add_epi64(_mm512_sub_epi64(xa0, _mm512_alignr_epi64(xa0, zero, 7)),
-                                        _mm512_sub_epi64(_mm512_alignr_epi64(xb0, zero, 7), _mm512_alignr_epi64(xb0, zero, 6)));
-    const __m512i w1 = _mm512_add_epi64(_mm512_sub_epi64(xa1, _mm512_alignr_epi64(xa1, xa0, 7)),
-                                        _mm512_sub_epi64(_mm512_alignr_epi64(xb1, xb0, 7), _mm512_alignr_epi64(xb1, xb0, 6)));
+    const __m512i xb0 = _mm512_maskz_permutex2var_epi64((__mmask8)lowmask64(nw), cb0, ix0, cb1);
+    const __m512i xb1 = _mm512_maskz_permutexvar_epi64((__mmask8)lowmask64(nw - 8), ix1, cb1);
+    /* word j = (SA[j] - SA[j-1]) + spill[j-1], both 0 before word 0 */
+    const __m512i w0 = _mm512_add_epi64(_mm512_sub_epi64(xa0, _mm512_alignr_epi64(xa0, zero, 7)), _mm512_alignr_epi64(xb0, zero, 7));
+    const __m512i w1 = _mm512_add_epi64(_mm512_sub_epi64(xa1, _mm512_alignr_epi64(xa1, xa0, 7)), _mm512_alignr_epi64(xb1, xb0, 7));
     const int gb = (int)((bits + 7) >> 3);
     _mm512_mask_storeu_epi8(dst, lowmask64(gb), w0);
     _mm512_mask_storeu_epi8(dst + 64, lowmask64(gb - 64), w1);
