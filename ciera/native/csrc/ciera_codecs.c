@@ -995,16 +995,17 @@ ALWAYS_INLINE int64_t group_bytes_small(const uint8_t *ww, int n, int G) {
     return bytes;
 }
 
-/* Packs a group of 64 16-bit values (z16, widths ww; zero widths past the group's values, where
- * z16 may be anything) at dst, exactly its ceil(bits / 8) bytes; returns them. No serial chain:
+/* Packs a group of 64 16-bit values (z masked to their widths, and the widths, 32 per register;
+ * zero widths past the group's values) at dst, exactly its ceil(bits / 8) bytes; returns them. No serial chain:
  * values merge into pairs (32-bit lanes) and quads (64-bit lanes, <= 64 bits each) by variable
  * shifts; quad i starts at bit O_i (a prefix sum) in 64-bit word k_i = O_i / 64, where its low
  * part goes and its high part spills into word k_i + 1. Inside a word the parts occupy disjoint
  * bits, so their OR is their sum, and a word's sum is the difference of running sums taken at
  * the last quad of the word and of the word before (no word lacks a quad: a quad spans <= 64 bits,
  * so consecutive quads' words differ by at most one). */
-AVX512_FN static int pack_group64_avx512(const uint16_t *z16, const uint8_t *ww, uint8_t *dst) {
-    const __m512i one16 = _mm512_set1_epi16(1), zero = _mm512_setzero_si512(), l7 = _mm512_set1_epi64(7);
+AVX512_FN static inline __attribute__((always_inline)) int pack64_regs(const __m512i zm[2], const __m512i wv[2],
+                                                                         uint8_t *dst) {
+    const __m512i zero = _mm512_setzero_si512(), l7 = _mm512_set1_epi64(7);
     const __m512i lo32 = _mm512_set1_epi32(0xFFFF), lo64 = _mm512_set1_epi64(0xFFFFFFFF), c63 = _mm512_set1_epi64(63);
     __m512i Q[2], O[2], A[2], Bs[2], K[2];
 #define CIERA_SCAN8(x)                                              \
@@ -1014,8 +1015,7 @@ AVX512_FN static int pack_group64_avx512(const uint16_t *z16, const uint8_t *ww,
         x = _mm512_add_epi64(x, _mm512_alignr_epi64(x, zero, 4)); \
     } while (0)
     for (int h = 0; h < 2; h++) {
-        __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(ww + 32 * h)));
-        __m512i z = _mm512_and_si512(_mm512_loadu_si512(z16 + 32 * h), _mm512_sub_epi16(_mm512_sllv_epi16(one16, w), one16));
+        const __m512i w = wv[h], z = zm[h];
         __m512i wl = _mm512_and_si512(w, lo32);
         __m512i p = _mm512_or_si512(_mm512_and_si512(z, lo32), _mm512_sllv_epi32(_mm512_srli_epi32(z, 16), wl));
         __m512i pw = _mm512_add_epi32(wl, _mm512_srli_epi32(w, 16));
@@ -1066,6 +1066,89 @@ AVX512_FN static int pack_group64_avx512(const uint16_t *z16, const uint8_t *ww,
     return gb;
 }
 
+/* pack64_regs on a group in memory: z16 and its widths ww (bytes). */
+AVX512_FN static int pack_group64_avx512(const uint16_t *z16, const uint8_t *ww, uint8_t *dst) {
+    const __m512i one16 = _mm512_set1_epi16(1);
+    __m512i zm[2], wv[2];
+    for (int h = 0; h < 2; h++) {
+        wv[h] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(ww + 32 * h)));
+        zm[h] = _mm512_and_si512(_mm512_loadu_si512(z16 + 32 * h), _mm512_sub_epi16(_mm512_sllv_epi16(one16, wv[h]), one16));
+    }
+    return pack64_regs(zm, wv, dst);
+}
+
+/* A whole block of groups of 64 16-bit values on AVX-512, in one pass and in registers: per group,
+ * the previous and new values are loaded once; the new state, z, the widths (byte permutes of the
+ * previous exponents), the exceptions (z against the width masks) and the packed group all come
+ * out of those registers. Groups are packed into a local buffer, copied to dst once the block's
+ * size (and the raw choice) is known. Same bytes and contract as delta_encode_block. */
+AVX512_FN static int64_t delta_encode_full16_g64(const ciera_delta_layout *l, int M, int E, const delta_wctx *wc,
+                                                 const uint16_t *shard, uint16_t *state, uint8_t *counts, int64_t b,
+                                                 uint8_t *dst, int64_t room) {
+    const int64_t B = l->block_size, v0 = b * B;
+    const int I = (int)l->index_bytes, C = (int)l->count_bytes, ng = (int)(B / 64);
+    uint16_t z16[DELTA_MAX_BLOCK];
+    uint8_t ww[DELTA_MAX_BLOCK], buf[DELTA_MAX_BLOCK * 2 + 64];
+    uint64_t xm[DELTA_MAX_BLOCK / 64];
+    const __m512i t0 = _mm512_loadu_si512(wc->tab), t1 = _mm512_loadu_si512(wc->tab + 64),
+                  t2 = _mm512_loadu_si512(wc->tab + 128), t3 = _mm512_loadu_si512(wc->tab + 192);
+    const __m512i even = _mm512_loadu_si512(er_even), emask = _mm512_set1_epi16((short)((1 << E) - 1));
+    const __m512i one = _mm512_set1_epi16(1);
+    const __m128i sm = _mm_cvtsi32_si128(M);
+    int64_t pos = 0;
+    int n_exc = 0;
+    for (int g = 0; g < ng; g++) {
+        const uint16_t *sp = shard + v0 + 64 * g;
+        uint16_t *st = state + v0 + 64 * g;
+        _mm_prefetch((const char *)(st + 1024), _MM_HINT_T0); /* hints: never fault */
+        _mm_prefetch((const char *)(sp + 1024), _MM_HINT_T0);
+        const __m512i o0 = _mm512_loadu_si512(st), o1 = _mm512_loadu_si512(st + 32);
+        const __m512i n0 = _mm512_loadu_si512(sp), n1 = _mm512_loadu_si512(sp + 32);
+        _mm512_storeu_si512(st, n0);
+        _mm512_storeu_si512(st + 32, n1);
+        const __m512i d0 = _mm512_sub_epi16(n0, o0), d1 = _mm512_sub_epi16(n1, o1);
+        const __m512i z0 = _mm512_xor_si512(_mm512_slli_epi16(d0, 1), _mm512_srai_epi16(d0, 15));
+        const __m512i z1 = _mm512_xor_si512(_mm512_slli_epi16(d1, 1), _mm512_srai_epi16(d1, 15));
+        _mm512_storeu_si512(z16 + 64 * g, z0);
+        _mm512_storeu_si512(z16 + 64 * g + 32, z1);
+        const __m512i e = _mm512_permutex2var_epi8(_mm512_and_si512(_mm512_srl_epi16(o0, sm), emask), even,
+                                                   _mm512_and_si512(_mm512_srl_epi16(o1, sm), emask));
+        const __m512i w8 = _mm512_mask_blend_epi8(_mm512_movepi8_mask(e), _mm512_permutex2var_epi8(t0, e, t1),
+                                                  _mm512_permutex2var_epi8(t2, e, t3));
+        _mm512_storeu_si512(ww + 64 * g, w8);
+        __m512i wv[2], zm[2];
+        wv[0] = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(w8));
+        wv[1] = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(w8, 1));
+        const __m512i m0 = _mm512_sub_epi16(_mm512_sllv_epi16(one, wv[0]), one); /* w = 16: all ones */
+        const __m512i m1 = _mm512_sub_epi16(_mm512_sllv_epi16(one, wv[1]), one);
+        const uint64_t x = (uint64_t)_mm512_test_epi16_mask(z0, _mm512_ternarylogic_epi32(m0, m0, m0, 0x55)) |
+                           (uint64_t)_mm512_test_epi16_mask(z1, _mm512_ternarylogic_epi32(m1, m1, m1, 0x55)) << 32;
+        xm[g] = x;
+        n_exc += __builtin_popcountll(x);
+        zm[0] = _mm512_and_si512(z0, m0);
+        zm[1] = _mm512_and_si512(z1, m1);
+        pos += pack64_regs(zm, wv, buf + pos);
+    }
+    const int64_t table_size = pos + (int64_t)n_exc * (I + 2), raw_size = B * 2;
+    const int raw = table_size > raw_size;
+    const int64_t size = raw ? raw_size : table_size;
+    store_le(counts + b * C, raw ? (C == 1 ? 0xFF : 0xFFFF) : (uint64_t)n_exc, C);
+    if (size > room) return size;
+    if (raw) {
+        memcpy(dst, z16, (size_t)raw_size); /* little endian */
+        return size;
+    }
+    uint8_t *p = buf + pos, *hi_p = p + (int64_t)n_exc * I;
+    for (int g = 0, r = 0; g < ng; g++)
+        for (uint64_t x = xm[g]; x; x &= x - 1, r++) {
+            const int j = 64 * g + __builtin_ctzll(x);
+            store_le(p + (int64_t)r * I, (uint64_t)j, I);
+            store_le(hi_p + (int64_t)r * 2, (uint64_t)(z16[j] >> ww[j]), 2);
+        }
+    memcpy(dst, buf, (size_t)size);
+    return size;
+}
+
 /* delta_encode_block for 16-bit values on AVX-512 (same bytes, same contract): z, the new state
  * and the previous exponents 32 values per step; widths by byte permutes; the exceptions are the
  * set bits of one test against the width masks; each quad of values is one PEXT of their four
@@ -1078,6 +1161,7 @@ AVX512_FN static int64_t delta_encode_block16_avx512(const ciera_delta_layout *l
     const int G = (int)l->group_size, I = (int)l->index_bytes, C = (int)l->count_bytes;
     const int64_t v0 = b * B;
     const int valid = (int)min64(B, n - v0);
+    if (G == 64 && valid == B) return delta_encode_full16_g64(l, M, E, wc, shard, state, counts, b, dst, room);
     uint16_t z16[DELTA_MAX_BLOCK + 64], m16[DELTA_MAX_BLOCK + 64];
     uint8_t ee[DELTA_MAX_BLOCK + 64], ww[DELTA_MAX_BLOCK + 128];
     uint16_t exc[DELTA_MAX_BLOCK];
