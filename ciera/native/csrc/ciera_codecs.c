@@ -672,7 +672,7 @@ AVX512_FN static void widths_avx512(const delta_wctx *c, const uint8_t *idx, uin
  * (exponents packed to bytes by one permute, widths by two, group bits by SAD): the sizing pass of
  * a threaded decode, and with ww (not NULL) also the widths (zero up to the next multiple of 64). */
 AVX512_FN static int64_t block_bytes16_avx512(const delta_wctx *c, int M, int E, const uint16_t *prev, int valid,
-                                              uint8_t *ww) {
+                                              uint8_t *ww, int ahead) {
     static const uint8_t even[64] = {0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
                                      32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62,
                                      64, 66, 68, 70, 72, 74, 76, 78, 80, 82, 84, 86, 88, 90, 92, 94,
@@ -683,8 +683,8 @@ AVX512_FN static int64_t block_bytes16_avx512(const delta_wctx *c, int M, int E,
     const __m128i sm = _mm_cvtsi32_si128(M);
     int64_t bytes = 0;
     for (int j = 0; j < valid; j += 64) {
-        _mm_prefetch((const char *)(prev + j + 1024), _MM_HINT_T0);
-        _mm_prefetch((const char *)(prev + j + 1056), _MM_HINT_T0);
+        _mm_prefetch((const char *)(prev + j + ahead), _MM_HINT_T0); /* hints: never fault */
+        _mm_prefetch((const char *)(prev + j + ahead + 32), _MM_HINT_T0);
         __m512i a = _mm512_and_si512(_mm512_srl_epi16(_mm512_maskz_loadu_epi16((__mmask32)lowmask64(valid - j), prev + j), sm), emask);
         __m512i b = _mm512_and_si512(_mm512_srl_epi16(_mm512_maskz_loadu_epi16((__mmask32)lowmask64(valid - j - 32), prev + j + 32), sm), emask);
         __m512i e = _mm512_permutex2var_epi8(a, ev, b);
@@ -700,13 +700,13 @@ AVX512_FN static int64_t block_bytes16_avx512(const delta_wctx *c, int M, int E,
  * (zero up to the next multiple of 64; ww holds DELTA_MAX_BLOCK + 128 bytes); returns the
  * table-mode bytes of its groups of G values. */
 AVX512_FN static int64_t block_widths16_avx512(const delta_wctx *c, int M, int E, const uint16_t *prev, int valid,
-                                               int G, uint8_t *ww) {
-    if (G == 64) return block_bytes16_avx512(c, M, E, prev, valid, ww);
+                                               int G, uint8_t *ww, int ahead) {
+    if (G == 64) return block_bytes16_avx512(c, M, E, prev, valid, ww, ahead);
     uint8_t ee[DELTA_MAX_BLOCK + 64];
     const __m512i emask = _mm512_set1_epi16((short)((1 << E) - 1));
     const __m128i sm = _mm_cvtsi32_si128(M);
     for (int j = 0; j < valid; j += 32) {
-        _mm_prefetch((const char *)(prev + j + 1024), _MM_HINT_T0); /* a hint: never faults */
+        _mm_prefetch((const char *)(prev + j + ahead), _MM_HINT_T0); /* a hint: never faults */
         __m512i old = _mm512_maskz_loadu_epi16((__mmask32)lowmask64(valid - j), prev + j);
         _mm256_storeu_si256((__m256i *)(ee + j), _mm512_cvtepi16_epi8(_mm512_and_si512(_mm512_srl_epi16(old, sm), emask)));
     }
@@ -1169,7 +1169,7 @@ AVX512_FN static int64_t delta_encode_block16_avx512(const ciera_delta_layout *l
     const __m128i sm = _mm_cvtsi32_si128(M);
     /* groups of 64: widths and group bytes in registers from the previous values (before the
        loop below replaces them with the new ones) */
-    int64_t bytes = G == 64 ? block_bytes16_avx512(wc, M, E, state + v0, valid, ww) : 0;
+    int64_t bytes = G == 64 ? block_bytes16_avx512(wc, M, E, state + v0, valid, ww, 1024) : 0;
     for (int j = 0; j < valid; j += 32) { /* lanes past valid: 0 (masked loads) */
         const __mmask32 k = (__mmask32)lowmask64(valid - j);
         _mm_prefetch((const char *)(state + v0 + j + 1024), _MM_HINT_T0); /* a hint: never faults */
@@ -1243,7 +1243,9 @@ AVX512_FN static int64_t delta_decode_block16_avx512(const ciera_delta_layout *l
     const int valid = (int)min64(B, n - v0);
     uint8_t ww[DELTA_MAX_BLOCK + 128];
     uint32_t zz[DELTA_MAX_BLOCK + 64];
-    int64_t size = block_widths16_avx512(wc, M, E, target + v0, valid, G, ww) + (int64_t)c * (I + 2);
+    /* prefetch hints in the direction of travel (a backward chunk's next blocks lie below) */
+    int64_t size = block_widths16_avx512(wc, M, E, target + v0, valid, G, ww, rev ? -1024 : 1024) + (int64_t)c * (I + 2);
+    if (rev) _mm_prefetch((const char *)(payload + pos - 768), _MM_HINT_T0);
     if (rev) {
         if (pos - size < l->off_data) return CIERA_E_TRUNCATED;
         pos -= size;
@@ -1474,7 +1476,7 @@ ALWAYS_INLINE int64_t delta_block_widths(const ciera_delta_layout *l, int W, int
     for (int j = 0; j < valid; j++) ee[j] = (uint8_t)((load_u(target, v0 + j, W) >> M) & emask); /* vectorisable */
 #if CIERA_X86
     if (W == 16 && wc->avx512)
-        return block_widths16_avx512(wc, M, E, (const uint16_t *)target + v0, valid, (int)l->group_size, ww);
+        return block_widths16_avx512(wc, M, E, (const uint16_t *)target + v0, valid, (int)l->group_size, ww, 1024);
 #endif
     delta_widths(wc, ee, ww, valid);
     memset(ww + valid, 0, 64);
@@ -1492,7 +1494,7 @@ ALWAYS_INLINE int64_t delta_block_size(const ciera_delta_layout *l, int W, int M
     if ((int64_t)c > valid) return CIERA_E_BAD_COUNT;
 #if CIERA_X86
     if (W == 16 && wc->avx512 && l->group_size == 64)
-        return block_bytes16_avx512(wc, M, E, (const uint16_t *)target + b * l->block_size, (int)valid, NULL) + (int64_t)c * (I + S);
+        return block_bytes16_avx512(wc, M, E, (const uint16_t *)target + b * l->block_size, (int)valid, NULL, 1024) + (int64_t)c * (I + S);
 #endif
     return delta_block_widths(l, W, M, E, wc, target, b, ww) + (int64_t)c * (I + S);
 }
