@@ -137,6 +137,13 @@ static uint8_t *thread_scratch(size_t nbytes) {
 #include <immintrin.h>
 #define AVX2_FN __attribute__((target("avx2,bmi,bmi2")))
 #define AVX512_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx2,bmi,bmi2,popcnt")))
+#define AVX512_INLINE AVX512_FN static inline __attribute__((always_inline))
+/* Byte indices 0, 2, ..., 126: a two-register byte permute with them takes the low bytes of 64
+ * 16-bit values held in two registers (with them + 1, the high bytes). */
+static const uint8_t even_bytes[64] = {0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                                       32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62,
+                                       64, 66, 68, 70, 72, 74, 76, 78, 80, 82, 84, 86, 88, 90, 92, 94,
+                                       96, 98, 100, 102, 104, 106, 108, 110, 112, 114, 116, 118, 120, 122, 124, 126};
 /* CIERA_NATIVE_AVX2=0 in the environment takes the portable paths (the tests compare both). */
 static int cpu_avx2(void) {
     const char *env = getenv("CIERA_NATIVE_AVX2");
@@ -257,16 +264,11 @@ HOT static int64_t er_encode_range_dispatch(const ciera_er_layout *l, const void
  * tile's 8 qwords of exponent bytes: one test gives the tile's bitmap byte, one compress its
  * changed blocks' exponents, stored under a mask (never past `room` slots, nothing else written).
  * Encodes the whole tiles of [lo, hi) (lo a multiple of 64); *end: where they stop. */
-static const uint8_t er_even[64] = {0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
-                                    32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62,
-                                    64, 66, 68, 70, 72, 74, 76, 78, 80, 82, 84, 86, 88, 90, 92, 94,
-                                    96, 98, 100, 102, 104, 106, 108, 110, 112, 114, 116, 118, 120, 122, 124, 126};
-
 AVX512_FN static int64_t er_encode_bf16_b8_avx512(const ciera_er_layout *l, const uint16_t *shard, uint8_t *state,
                                                   uint8_t *out, int64_t lo, int64_t hi, uint8_t *exps, int64_t room,
                                                   int64_t *end) {
     uint8_t *sm_out = out + l->off_signmant, *bitmap = out + l->off_bitmap;
-    const __m512i even = _mm512_loadu_si512(er_even), odd = _mm512_add_epi8(even, _mm512_set1_epi8(1));
+    const __m512i even = _mm512_loadu_si512(even_bytes), odd = _mm512_add_epi8(even, _mm512_set1_epi8(1));
     const __m512i m80 = _mm512_set1_epi8((char)0x80), one = _mm512_set1_epi8(1);
     int64_t n_changed = 0, t0 = lo;
     for (; t0 + 64 <= hi; t0 += 64) {
@@ -470,7 +472,7 @@ static const uint8_t er_ilv[128] = {
 AVX512_FN static int64_t er_decode_bf16_b8_avx512(const ciera_er_layout *l, const uint8_t *payload, uint16_t *target,
                                                   int64_t lo, int64_t hi, int64_t slot, int64_t *end) {
     const uint8_t *sm_in = payload + l->off_signmant, *bitmap = payload + l->off_bitmap, *exps = payload + l->off_exps;
-    const __m512i even = _mm512_loadu_si512(er_even), odd = _mm512_add_epi8(even, _mm512_set1_epi8(1));
+    const __m512i even = _mm512_loadu_si512(even_bytes), odd = _mm512_add_epi8(even, _mm512_set1_epi8(1));
     const __m512i i0 = _mm512_loadu_si512(er_ilv), i1 = _mm512_loadu_si512(er_ilv + 64);
     const __m512i m80 = _mm512_set1_epi8((char)0x80);
     int64_t t0 = lo;
@@ -579,7 +581,6 @@ ALWAYS_INLINE int bitlen_w(uint32_t z, int W) {
     return t < 0 ? 0 : t;
 }
 
-
 /* Width lookups: ww[j] = table[idx[j]] (one width per previous exponent). This byte gather is
  * the hot spot of both directions; on AVX2 it is 16-entry shuffles (pshufb) over the rows of the
  * table that hold a nonzero width (a value whose row is all zeros gets 0 either way), usually 2-3
@@ -591,7 +592,6 @@ typedef struct {
     int avx512;           /* AVX-512 (F, BW, VL, VBMI) + BMI2 paths: implies avx2 */
     uint8_t tab[256];     /* the table, zero padded to 256 entries (whole-vector loads) */
 } delta_wctx;
-
 
 static void delta_wctx_init(delta_wctx *c, const uint8_t *table, int E) {
     c->table = table;
@@ -651,20 +651,32 @@ AVX2_FN static int64_t group_bytes64_avx2(const uint8_t *ww, int n) {
 }
 #endif
 
-
 #if CIERA_X86
 /* Width lookups on AVX-512 VBMI: the 256-entry table is four registers, looked up 64 indices at a
  * time with two two-register byte permutes (index bits 0-6) and a blend on bit 7. ww gets zeros
  * from n up to the next multiple of 64 (it is written that far); idx is read only below n. */
+AVX512_INLINE void table_avx512(const delta_wctx *c, __m512i t[4]) {
+    for (int q = 0; q < 4; q++) t[q] = _mm512_loadu_si512(c->tab + 64 * q);
+}
+
+/* The widths of 64 exponent bytes e: table t[e]. */
+AVX512_INLINE __m512i widths64_avx512(const __m512i t[4], __m512i e) {
+    return _mm512_mask_blend_epi8(_mm512_movepi8_mask(e), _mm512_permutex2var_epi8(t[0], e, t[1]),
+                                  _mm512_permutex2var_epi8(t[2], e, t[3]));
+}
+
+/* The exponent bytes (field at bit M, under emask) of 64 16-bit values in a and b. */
+AVX512_INLINE __m512i exps64_avx512(__m512i a, __m512i b, __m128i sm, __m512i emask) {
+    return _mm512_permutex2var_epi8(_mm512_and_si512(_mm512_srl_epi16(a, sm), emask), _mm512_loadu_si512(even_bytes),
+                                    _mm512_and_si512(_mm512_srl_epi16(b, sm), emask));
+}
+
 AVX512_FN static void widths_avx512(const delta_wctx *c, const uint8_t *idx, uint8_t *ww, int n) {
-    const __m512i t0 = _mm512_loadu_si512(c->tab), t1 = _mm512_loadu_si512(c->tab + 64),
-                  t2 = _mm512_loadu_si512(c->tab + 128), t3 = _mm512_loadu_si512(c->tab + 192);
+    __m512i t[4];
+    table_avx512(c, t);
     for (int i = 0; i < n; i += 64) {
         __mmask64 k = lowmask64(n - i);
-        __m512i v = _mm512_maskz_loadu_epi8(k, idx + i);
-        __m512i lo = _mm512_permutex2var_epi8(t0, v, t1), hi = _mm512_permutex2var_epi8(t2, v, t3);
-        __m512i r = _mm512_mask_blend_epi8(_mm512_movepi8_mask(v), lo, hi);
-        _mm512_storeu_si512(ww + i, _mm512_maskz_mov_epi8(k, r));
+        _mm512_storeu_si512(ww + i, _mm512_maskz_mov_epi8(k, widths64_avx512(t, _mm512_maskz_loadu_epi8(k, idx + i))));
     }
 }
 
@@ -673,23 +685,17 @@ AVX512_FN static void widths_avx512(const delta_wctx *c, const uint8_t *idx, uin
  * a threaded decode, and with ww (not NULL) also the widths (zero up to the next multiple of 64). */
 AVX512_FN static int64_t block_bytes16_avx512(const delta_wctx *c, int M, int E, const uint16_t *prev, int valid,
                                               uint8_t *ww, int ahead) {
-    static const uint8_t even[64] = {0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
-                                     32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62,
-                                     64, 66, 68, 70, 72, 74, 76, 78, 80, 82, 84, 86, 88, 90, 92, 94,
-                                     96, 98, 100, 102, 104, 106, 108, 110, 112, 114, 116, 118, 120, 122, 124, 126};
-    const __m512i t0 = _mm512_loadu_si512(c->tab), t1 = _mm512_loadu_si512(c->tab + 64),
-                  t2 = _mm512_loadu_si512(c->tab + 128), t3 = _mm512_loadu_si512(c->tab + 192);
-    const __m512i ev = _mm512_loadu_si512(even), emask = _mm512_set1_epi16((short)((1 << E) - 1));
+    __m512i t[4];
+    table_avx512(c, t);
+    const __m512i emask = _mm512_set1_epi16((short)((1 << E) - 1));
     const __m128i sm = _mm_cvtsi32_si128(M);
     int64_t bytes = 0;
     for (int j = 0; j < valid; j += 64) {
         _mm_prefetch((const char *)(prev + j + ahead), _MM_HINT_T0); /* hints: never fault */
         _mm_prefetch((const char *)(prev + j + ahead + 32), _MM_HINT_T0);
-        __m512i a = _mm512_and_si512(_mm512_srl_epi16(_mm512_maskz_loadu_epi16((__mmask32)lowmask64(valid - j), prev + j), sm), emask);
-        __m512i b = _mm512_and_si512(_mm512_srl_epi16(_mm512_maskz_loadu_epi16((__mmask32)lowmask64(valid - j - 32), prev + j + 32), sm), emask);
-        __m512i e = _mm512_permutex2var_epi8(a, ev, b);
-        __m512i w = _mm512_mask_blend_epi8(_mm512_movepi8_mask(e), _mm512_permutex2var_epi8(t0, e, t1), _mm512_permutex2var_epi8(t2, e, t3));
-        w = _mm512_maskz_mov_epi8(lowmask64(valid - j), w);
+        const __m512i a = _mm512_maskz_loadu_epi16((__mmask32)lowmask64(valid - j), prev + j);
+        const __m512i b = _mm512_maskz_loadu_epi16((__mmask32)lowmask64(valid - j - 32), prev + j + 32);
+        const __m512i w = _mm512_maskz_mov_epi8(lowmask64(valid - j), widths64_avx512(t, exps64_avx512(a, b, sm, emask)));
         if (ww) _mm512_storeu_si512(ww + j, w);
         bytes += (int64_t)(((uint64_t)_mm512_reduce_add_epi64(_mm512_sad_epu8(w, _mm512_setzero_si512())) + 7) >> 3);
     }
@@ -804,13 +810,25 @@ ALWAYS_INLINE int64_t delta_group_bytes(const delta_wctx *c, const uint8_t *ww, 
     return bytes;
 }
 
+/* hist[key[j]]++ for j < n into four interleaved histograms of nh counters (key j into number
+ * j % 4): a run of equal keys (most values of a class do not move) would otherwise serialise on one
+ * counter's load-add-store. */
+ALWAYS_INLINE void count_keys(uint32_t *hist, int64_t nh, const uint16_t *key, int n) {
+    int j = 0;
+    for (; j + 4 <= n; j += 4) {
+        hist[key[j]]++;
+        hist[nh + key[j + 1]]++;
+        hist[2 * nh + key[j + 2]]++;
+        hist[3 * nh + key[j + 3]]++;
+    }
+    for (; j < n; j++) hist[key[j]]++;
+}
+
 ALWAYS_INLINE void delta_hist_range(int W, int M, int E, const void *shard, const void *state, int64_t lo, int64_t hi,
                                     uint32_t *hist) {
     const uint32_t emask = (1u << E) - 1;
     const int64_t nh = ((int64_t)1 << E) * (W + 1);
-    /* Four interleaved histograms: a run of equal keys (most values of a class do not move) would
-       otherwise serialise on one counter's load-add-store. */
-    uint16_t key[256];
+    uint16_t key[256]; /* counted into four interleaved histograms (count_keys) */
     for (int64_t t0 = lo; t0 < hi; t0 += 256) {
         int cnt = (int)min64(256, hi - t0);
         for (int q = 0; q < 256 * W / 8; q += 64) { /* hints, 1024 values ahead (never fault) */
@@ -822,14 +840,7 @@ ALWAYS_INLINE void delta_hist_range(int W, int M, int E, const void *shard, cons
             uint32_t z = zigzag_u(load_u(shard, t0 + j, W), u_old, W);
             key[j] = (uint16_t)(((u_old >> M) & emask) * (W + 1) + bitlen_w(z, W));
         }
-        int j = 0;
-        for (; j + 4 <= cnt; j += 4) {
-            hist[key[j]]++;
-            hist[nh + key[j + 1]]++;
-            hist[2 * nh + key[j + 2]]++;
-            hist[3 * nh + key[j + 3]]++;
-        }
-        for (; j < cnt; j++) hist[key[j]]++;
+        count_keys(hist, nh, key, cnt);
     }
 }
 
@@ -905,14 +916,7 @@ AVX512CD_FN static void hist16_avx512(int M, int E, const uint16_t *shard, const
         _mm512_storeu_si512(buf + nbuf, _mm512_maskz_compress_epi16(rest, k));
         nbuf += __builtin_popcount((uint32_t)rest);
         if (nbuf > HIST_BUF - 32 || t0 + 32 >= hi) {
-            int j = 0;
-            for (; j + 4 <= nbuf; j += 4) {
-                hist[buf[j]]++;
-                hist[nh + buf[j + 1]]++;
-                hist[2 * nh + buf[j + 2]]++;
-                hist[3 * nh + buf[j + 3]]++;
-            }
-            for (; j < nbuf; j++) hist[buf[j]]++;
+            count_keys(hist, nh, buf, nbuf);
             nbuf = 0;
         }
         if (++steps == 0x7FFF || t0 + 32 >= hi) { /* a lane gains at most one per step; the sum reads lanes as int16 */
@@ -1003,8 +1007,7 @@ ALWAYS_INLINE int64_t group_bytes_small(const uint8_t *ww, int n, int G) {
  * bits, so their OR is their sum, and a word's sum is the difference of running sums taken at
  * the last quad of the word and of the word before (no word lacks a quad: a quad spans <= 64 bits,
  * so consecutive quads' words differ by at most one). */
-AVX512_FN static inline __attribute__((always_inline)) int pack64_regs(const __m512i zm[2], const __m512i wv[2],
-                                                                         uint8_t *dst) {
+AVX512_INLINE int pack64_regs(const __m512i zm[2], const __m512i wv[2], uint8_t *dst) {
     const __m512i zero = _mm512_setzero_si512(), l7 = _mm512_set1_epi64(7);
     const __m512i lo32 = _mm512_set1_epi32(0xFFFF), lo64 = _mm512_set1_epi64(0xFFFFFFFF), c63 = _mm512_set1_epi64(63);
     __m512i Q[2], O[2], A[2], Bs[2], K[2];
@@ -1090,10 +1093,9 @@ AVX512_FN static int64_t delta_encode_full16_g64(const ciera_delta_layout *l, in
     uint16_t z16[DELTA_MAX_BLOCK];
     uint8_t ww[DELTA_MAX_BLOCK], buf[DELTA_MAX_BLOCK * 2 + 64];
     uint64_t xm[DELTA_MAX_BLOCK / 64];
-    const __m512i t0 = _mm512_loadu_si512(wc->tab), t1 = _mm512_loadu_si512(wc->tab + 64),
-                  t2 = _mm512_loadu_si512(wc->tab + 128), t3 = _mm512_loadu_si512(wc->tab + 192);
-    const __m512i even = _mm512_loadu_si512(er_even), emask = _mm512_set1_epi16((short)((1 << E) - 1));
-    const __m512i one = _mm512_set1_epi16(1);
+    __m512i t[4];
+    table_avx512(wc, t);
+    const __m512i emask = _mm512_set1_epi16((short)((1 << E) - 1)), one = _mm512_set1_epi16(1);
     const __m128i sm = _mm_cvtsi32_si128(M);
     int64_t pos = 0;
     int n_exc = 0;
@@ -1111,10 +1113,7 @@ AVX512_FN static int64_t delta_encode_full16_g64(const ciera_delta_layout *l, in
         const __m512i z1 = _mm512_xor_si512(_mm512_slli_epi16(d1, 1), _mm512_srai_epi16(d1, 15));
         _mm512_storeu_si512(z16 + 64 * g, z0);
         _mm512_storeu_si512(z16 + 64 * g + 32, z1);
-        const __m512i e = _mm512_permutex2var_epi8(_mm512_and_si512(_mm512_srl_epi16(o0, sm), emask), even,
-                                                   _mm512_and_si512(_mm512_srl_epi16(o1, sm), emask));
-        const __m512i w8 = _mm512_mask_blend_epi8(_mm512_movepi8_mask(e), _mm512_permutex2var_epi8(t0, e, t1),
-                                                  _mm512_permutex2var_epi8(t2, e, t3));
+        const __m512i w8 = widths64_avx512(t, exps64_avx512(o0, o1, sm, emask));
         _mm512_storeu_si512(ww + 64 * g, w8);
         __m512i wv[2], zm[2];
         wv[0] = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(w8));
@@ -1245,8 +1244,8 @@ AVX512_FN static int64_t delta_decode_block16_avx512(const ciera_delta_layout *l
     uint32_t zz[DELTA_MAX_BLOCK + 64];
     /* prefetch hints in the direction of travel (a backward chunk's next blocks lie below) */
     int64_t size = block_widths16_avx512(wc, M, E, target + v0, valid, G, ww, rev ? -1024 : 1024) + (int64_t)c * (I + 2);
-    if (rev) _mm_prefetch((const char *)(payload + pos - 768), _MM_HINT_T0);
     if (rev) {
+        _mm_prefetch((const char *)(payload + pos - 768), _MM_HINT_T0);
         if (pos - size < l->off_data) return CIERA_E_TRUNCATED;
         pos -= size;
     }
@@ -1472,12 +1471,12 @@ ALWAYS_INLINE int64_t delta_block_widths(const ciera_delta_layout *l, int W, int
     const uint32_t emask = (1u << E) - 1;
     const int64_t v0 = b * l->block_size;
     const int valid = (int)min64(l->block_size, l->numel - v0);
-    uint8_t ee[DELTA_MAX_BLOCK + 32];
-    for (int j = 0; j < valid; j++) ee[j] = (uint8_t)((load_u(target, v0 + j, W) >> M) & emask); /* vectorisable */
 #if CIERA_X86
     if (W == 16 && wc->avx512)
         return block_widths16_avx512(wc, M, E, (const uint16_t *)target + v0, valid, (int)l->group_size, ww, 1024);
 #endif
+    uint8_t ee[DELTA_MAX_BLOCK + 32];
+    for (int j = 0; j < valid; j++) ee[j] = (uint8_t)((load_u(target, v0 + j, W) >> M) & emask); /* vectorisable */
     delta_widths(wc, ee, ww, valid);
     memset(ww + valid, 0, 64);
     return delta_group_bytes(wc, ww, valid, (int)l->group_size);
