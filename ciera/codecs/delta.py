@@ -265,20 +265,32 @@ def _value_widths(layout: DeltaLayout, table: torch.Tensor, e_prev: torch.Tensor
 
 
 # -- reference ---------------------------------------------------------------------------------
+def _keys(layout: DeltaLayout, shard_bits: torch.Tensor, state: torch.Tensor):
+    """z, previous exponent and bit length of z of every value."""
+    # int32 arithmetic for 16-bit patterns, int64 for 32-bit ones (from to_unsigned).
+    u_old = to_unsigned(state)
+    z = zigzag(layout.fmt, to_unsigned(shard_bits), u_old)
+    return z, exponent_of(layout.fmt, u_old), bit_length(z, layout.width)
+
+
+def histogram_reference(*, layout: DeltaLayout, shard_bits: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """The counts the width table is chosen from: ``hist[e * (W + 1) + L]`` (int64) = values whose
+    previous exponent is ``e`` and whose ``z`` has bit length ``L``. Any number of values."""
+    _, e_prev, bitlen = _keys(layout, shard_bits, state)
+    W = layout.width
+    return torch.bincount(e_prev * (W + 1) + bitlen, minlength=layout.n_classes * (W + 1))
+
+
 def encode_reference(*, layout: DeltaLayout, shard_bits: torch.Tensor, state: torch.Tensor,
                      out: torch.Tensor) -> torch.Tensor:
     """Pure-torch encoder. Writes every section of ``out`` but the header (blocks that do not fit
     are skipped), updates ``state`` (previous bit patterns) and returns the bytes needed as a 0-d
     int64 tensor on ``out``'s device."""
-    n, W, fmt = layout.numel, layout.width, layout.fmt
+    n, W = layout.numel, layout.width
     dev = out.device
     if n == 0:
         return torch.tensor(layout.off_data, dtype=torch.int64, device=dev)
-    # int32 arithmetic for 16-bit patterns, int64 for 32-bit ones (from to_unsigned).
-    u_old = to_unsigned(state)
-    z = zigzag(fmt, to_unsigned(shard_bits), u_old)
-    e_prev = exponent_of(fmt, u_old)
-    bitlen = bit_length(z, W)
+    z, e_prev, bitlen = _keys(layout, shard_bits, state)
     hist = torch.bincount(e_prev * (W + 1) + bitlen, minlength=layout.n_classes * (W + 1))
     table = choose_table(layout, hist)
     z, e_prev, bitlen = _grouped(layout, z), _grouped(layout, e_prev), _grouped(layout, bitlen)

@@ -13,7 +13,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ABI = 2
+ABI = 3
 """Must equal ``CIERA_ABI`` in csrc/ciera_codecs.c: a stale build is refused, not trusted."""
 
 _HERE = Path(__file__).resolve().parent
@@ -90,6 +90,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ciera_encode.argtypes = [ctypes.c_int, _PTR, _PTR, _PTR, _PTR, _I64, ctypes.c_int]
     lib.ciera_decode.restype = ctypes.c_int
     lib.ciera_decode.argtypes = [ctypes.c_int, _PTR, _PTR, _I64, _PTR, ctypes.c_int]
+    lib.ciera_delta_histogram.restype = ctypes.c_int
+    lib.ciera_delta_histogram.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, _PTR]
     lib.ciera_decode_many.restype = ctypes.c_int
     lib.ciera_decode_many.argtypes = [ctypes.c_int, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64,
                                       ctypes.c_int, ctypes.POINTER(_I64)]

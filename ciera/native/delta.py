@@ -34,6 +34,19 @@ def encode_native(*, layout: DeltaLayout, shard_bits: torch.Tensor, state: torch
     return int(needed)
 
 
+def histogram_native(*, layout: DeltaLayout, shard_bits: torch.Tensor, state: torch.Tensor, lo: int = 0,
+                     hi: int | None = None) -> torch.Tensor:
+    """``histogram_reference`` of values ``[lo, hi)``, counted by the path an encode on this CPU takes."""
+    n, bits = layout.numel, layout.fmt.bits_dtype
+    _lib.check(NAME, "shard_bits", shard_bits, bits, n)
+    _lib.check(NAME, "state", state, bits, n)
+    hist = torch.empty(layout.n_classes * (layout.width + 1), dtype=torch.int64)
+    rc = _lib.library().ciera_delta_histogram(ctypes.addressof(_c_layout(layout)), shard_bits.data_ptr(),
+                                              state.data_ptr(), lo, n if hi is None else hi, hist.data_ptr())
+    _lib.raise_for(NAME, rc)
+    return hist
+
+
 def decode_native(*, layout: DeltaLayout, payload: torch.Tensor, target_bits: torch.Tensor) -> None:
     """``target_bits`` (previous values) becomes the encoded shard, as with ``decode_reference``."""
     _lib.check(NAME, "payload", payload, torch.uint8)

@@ -337,28 +337,53 @@ def test_partial_capacities_equal_the_reference(name, dtype, threads, monkeypatc
                 assert torch.equal(state, want_state), (cap, avx2, avx512, k)
 
 
-@pytest.mark.parametrize("kind", ["two_keys", "sample_misses"])
-def test_delta_histogram_counts_equal_the_reference_on_skewed_shards(kind, threads, monkeypatch):
-    """delta's 16-bit histogram counts its most frequent keys (chosen from a sample) in 16-bit
-    register lanes. ``two_keys``: 2^21 values of one exponent, 70% unchanged and 30% one ulp up,
-    so the unchanged key's lanes pass 2^15 (they must be flushed before they read negative) and
-    the table's width for that exponent depends on both counts. ``sample_misses``: the sample sees
-    only unchanged values, every other value moves (the keys it chose are rare). Both give the
-    reference's table and bytes on every path."""
-    n = 1 << 21
-    x = torch.full((n,), 0.75, dtype=torch.bfloat16)
-    if kind == "two_keys":
+def _skewed_shard(kind: str, dtype: torch.dtype, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    if kind == "one_key":  # nothing moves: one bin in every lane, as many counts as the planes take
+        x = torch.full((n,), -1.5, dtype=dtype)
+        return x, x.clone()
+    if kind == "two_keys":  # one exponent: the first half unchanged, then 70% unchanged and 30% one ulp up
+        x = torch.full((n,), 0.75, dtype=dtype)
         y = x.clone()
-        up = torch.arange(n) % 10 < 3
-        y.view(torch.int16)[up] += 1
-    else:  # the sample reads values i * n / 1024: those stay, every other value moves
-        gen = torch.Generator().manual_seed(3)
-        x = (torch.randn(n, generator=gen) * 0.02).to(torch.bfloat16)
-        y = (x.float() + torch.randn(n, generator=gen) * 1e-3).to(torch.bfloat16)
+        i = torch.arange(n)
+        y.view(torch.int16)[(i >= n // 2) & (i % 10 < 3)] += 1
+        return x, y
+    x = (torch.randn(n, generator=gen) * 0.02).to(dtype)
+    if kind == "sample_misses":  # the sampled values hold an exponent no other value has
+        y = (x.float() + torch.randn(n, generator=gen) * 1e-3).to(dtype)
         keep = torch.arange(1024) * n // 1024
-        y[keep] = x[keep]
-    ref = make_codec("delta", dtype=torch.bfloat16, numel=n, backend="torch")
-    nat = make_codec("delta", dtype=torch.bfloat16, numel=n, backend="native")
+        x[keep] = y[keep] = 3000.0
+        return x, y
+    if kind == "wide_moves":  # every bit length 0-16, sign flips included
+        bits = x.view(torch.int16).clone()
+        step = torch.randint(-(1 << 14), 1 << 14, (n,), generator=gen, dtype=torch.int32)
+        step = step >> torch.randint(0, 15, (n,), generator=gen, dtype=torch.int32)
+        y = (bits.int() + step).to(torch.int16).view(dtype)
+        return x, y
+    # top_exponents: Inf and NaN patterns, and the largest finite exponents, moving a few ulps
+    big = torch.tensor([float("inf"), float("nan"), torch.finfo(dtype).max], dtype=dtype)
+    x = big[torch.randint(0, 3, (n,), generator=gen)]
+    x.view(torch.int16).add_(torch.randint(-8, 8, (n,), generator=gen, dtype=torch.int16) & 0x7)
+    y = (x.view(torch.int16) + torch.randint(-3, 4, (n,), generator=gen, dtype=torch.int16)).view(dtype)
+    return x, y
+
+
+@pytest.mark.parametrize("kind,dtype,n", [("two_keys", torch.bfloat16, (1 << 21) - 128 * 37 - 5), ("sample_misses", torch.bfloat16, 1 << 20),
+                                          ("wide_moves", torch.bfloat16, 1 << 18), ("wide_moves", torch.float16, 1 << 18),
+                                          ("top_exponents", torch.bfloat16, 1 << 17), ("top_exponents", torch.float16, 1 << 17)])
+def test_delta_histogram_counts_equal_the_reference_on_skewed_shards(kind, dtype, n, threads, monkeypatch):
+    """delta's 16-bit AVX-512 histogram counts, in bit planes of carry-save adders, the values
+    whose previous exponent lies in a window of 8 chosen from a sample and whose bit length is at
+    most 7; the others one by one. ``two_keys``: about 2^21 values of one exponent, the first half
+    unchanged (every lane of one bin: the planes fill as fast as they can, up to the plane a flush
+    must come before), then 70% unchanged and 30% one ulp up (the table's width for that exponent
+    depends on both counts); the last flush finds pending carries, and a short tail remains. ``sample_misses``: the sampled values hold an exponent no other
+    value has, so the window counts almost nothing. ``wide_moves``: every bit length, most of them
+    outside the registers. ``top_exponents``: windows at the top of the exponent range (Inf, NaN).
+    Every case gives the reference's table and bytes on every path."""
+    x, y = _skewed_shard(kind, dtype, n)
+    ref = make_codec("delta", dtype=dtype, numel=n, backend="torch")
+    nat = make_codec("delta", dtype=dtype, numel=n, backend="native")
     cap = ref.clamp_capacity(ref.max_bytes)
     want = torch.zeros(cap, dtype=torch.uint8)
     ref.encode(shard=y, state=ref.new_state(shard=x), out=want)
@@ -368,7 +393,37 @@ def test_delta_histogram_counts_equal_the_reference_on_skewed_shards(kind, threa
             threads(k)
             got = torch.zeros(cap, dtype=torch.uint8)
             nat.encode(shard=y, state=nat.new_state(shard=x), out=got)
-            assert torch.equal(got, want), (kind, avx512, k)
+            assert torch.equal(got, want), (kind, dtype, avx512, k)
+
+
+@pytest.mark.parametrize("kind,dtype,n", [("two_keys", torch.bfloat16, (1 << 21) - 128 * 37 - 5), ("sample_misses", torch.bfloat16, 1 << 20),
+                                          ("wide_moves", torch.float16, 1 << 18), ("top_exponents", torch.float16, 1 << 17),
+                                          ("top_exponents", torch.bfloat16, 1 << 17), ("trajectory", torch.bfloat16, 1 << 20),
+                                          ("one_key", torch.bfloat16, (1 << 22) + 3)])
+def test_delta_histogram_equals_the_reference_count_for_count(kind, dtype, n, monkeypatch):
+    """The width table hides small count errors (its choice rarely sits on a tipping point), so the
+    histogram itself is compared, every count, on every path, over the whole shard and over ranges
+    that start and end mid-iteration (an AVX-512 range counts 128 values per step, the rest one by
+    one)."""
+    from ciera.codecs.delta import histogram_reference
+    from ciera.native.delta import histogram_native
+
+    if kind == "trajectory":
+        traj = AdamTrajectory(numel=n, dtype=dtype, lr=1e-4, seed=0)
+        for _ in range(3):
+            traj.step()
+        x, y = traj.current(), traj.step()
+    else:
+        x, y = _skewed_shard(kind, dtype, n)
+    layout = make_codec("delta", dtype=dtype, numel=n, backend="native").layout
+    xb, yb = as_bits(x), as_bits(y)
+    for avx512 in ("0", "1"):
+        monkeypatch.setenv("CIERA_NATIVE_AVX512", avx512)
+        for lo, hi in ((0, n), (77, n - 1000), (4096 * 3 + 5, 4096 * 5 - 3), (n - 4095, n)):
+            want = histogram_reference(layout=layout, shard_bits=yb[lo:hi], state=xb[lo:hi])
+            got = histogram_native(layout=layout, shard_bits=yb, state=xb, lo=lo, hi=hi)
+            bad = (got != want).nonzero().flatten()
+            assert bad.numel() == 0, (kind, dtype, avx512, lo, hi, bad[:4].tolist(), got[bad[:4]].tolist(), want[bad[:4]].tolist())
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -24,7 +24,7 @@
 #define CIERA_THREAD_ID() 0
 #endif
 
-#define CIERA_ABI 2
+#define CIERA_ABI 3
 #define CIERA_MAX_THREADS 256
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -846,88 +846,134 @@ ALWAYS_INLINE void delta_hist_range(int W, int M, int E, const void *shard, cons
 
 #if CIERA_X86
 #define AVX512CD_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512vbmi2,avx512cd,avx2,bmi,bmi2,popcnt")))
-#define HIST_HOT 6   /* keys counted in registers */
-#define HIST_BUF 2048 /* the other keys, counted when this many wait */
+#define HIST_SLOTS 8     /* consecutive exponents whose bit lengths 0-7 are counted in registers */
+#define HIST_LEVELS 16    /* bit planes of a counter: up to 2^16 per bit, flushed at 2^14 */
+#define HIST_FLUSH 4096   /* iterations (128 values) between flushes: 2^14 inputs per bit at most */
+#define HIST_BUF 2048     /* the other keys, counted when this many wait */
+_Static_assert(4 * HIST_FLUSH < (1 << HIST_LEVELS), "a flush comes before a count outgrows the planes");
 
 static int cpu_avx512cd(void) {
     return cpu_avx512() && __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512vbmi2");
 }
 
-/* delta_hist_range for 16-bit values on AVX-512 (+CD): the same counts. A scalar increment per
- * value is the floor of the portable loop (about one per cycle), and a few keys hold most values
- * (a value that does not move has bit length 0, and weights span few exponents), so the
- * HIST_HOT most frequent keys of a sample of the values are counted in registers -- one compare and one
- * masked add per 32 values each, into 16-bit lanes flushed before they can wrap -- and only the
- * other values are incremented one by one. Which keys are hot changes the speed, never the
- * counts. */
+/* Carry-save adder: (*sum, carry) = a + b + c, bit by bit (ternary-logic XOR3 and majority). */
+AVX512_INLINE __m512i csa512(__m512i *sum, __m512i b, __m512i c) {
+    const __m512i a = *sum;
+    *sum = _mm512_ternarylogic_epi32(a, b, c, 0x96);
+    return _mm512_ternarylogic_epi32(a, b, c, 0xE8);
+}
+
+/* Adds bit plane v of weight 2^j of group g (bit b of a 16-bit lane counts bin 16 g + b = slot * 8
+ * + bit length, in any lane) to hist: keys of exponent e0 + slot. */
+AVX512CD_FN static void hist_plane_add(__m512i v, int j, int g, int e0, uint32_t *hist) {
+    for (int b = 0; b < 16; b++) {
+        const uint32_t c = (uint32_t)__builtin_popcount(_mm512_test_epi16_mask(v, _mm512_set1_epi16((short)(1 << b))));
+        const int bin = 16 * g + b;
+        hist[(e0 + (bin >> 3)) * 17 + (bin & 7)] += c << j;
+    }
+}
+
+/* delta_hist_range for 16-bit values on AVX-512 (+CD, VBMI2): the same counts. A scalar increment
+ * per value is the floor of the portable loop (about one per cycle). Weights span few exponents,
+ * mostly neighbours, and most values move by few ulps, so the values whose previous exponent lies
+ * in the window of HIST_SLOTS consecutive exponents holding most of a 1024-value sample, and whose
+ * bit length is at most 7, are counted in registers: bin slot * 8 + length (64 bins) becomes one
+ * set bit in a 16-bit lane of one of four groups of 16 bins, and each group's bits are summed
+ * vertically by carry-save adders into bit planes (a binary counter of planes: about two
+ * ternary-logic operations per 32 values and group). Only the other values are incremented one
+ * by one, from a compressed buffer, with no branch per step. Which window is chosen changes the
+ * speed, never the counts. */
 AVX512CD_FN static void hist16_avx512(int M, int E, const uint16_t *shard, const uint16_t *state, int64_t lo,
                                       int64_t hi, uint32_t *hist) {
     const int64_t nh = ((int64_t)1 << E) * 17;
+    const int n_exp = 1 << E;
     if (hi - lo < 4096) {
         delta_hist_range(16, M, E, shard, state, lo, hi, hist);
         return;
     }
-    /* the hot keys: the most frequent among 1024 values spread over the range (not counted) */
-    uint16_t sample[256 * 17];
-    memset(sample, 0, (size_t)nh * sizeof sample[0]);
-    const uint32_t emask16 = (1u << E) - 1;
-    for (int64_t i = 0; i < 1024; i++) {
-        const int64_t j = lo + (hi - lo) * i / 1024;
-        const uint32_t z = zigzag_u(shard[j], state[j], 16);
-        sample[((state[j] >> M) & emask16) * 17 + bitlen_u(z)]++;
+    /* the window [e0, e0 + HIST_SLOTS): the most values among 1024 spread over the range */
+    uint32_t ecount[256];
+    memset(ecount, 0, sizeof ecount);
+    for (int64_t i = 0; i < 1024; i++) ecount[(state[lo + (hi - lo) * i / 1024] >> M) & (uint32_t)(n_exp - 1)]++;
+    int e0 = 0;
+    uint32_t best = 0, run = 0;
+    for (int e = 0; e < n_exp; e++) {
+        run += ecount[e] - (e >= HIST_SLOTS ? ecount[e - HIST_SLOTS] : 0);
+        if (e >= HIST_SLOTS - 1 && run > best) best = run, e0 = e - (HIST_SLOTS - 1);
     }
-    uint32_t best[HIST_HOT];
-    uint16_t hot[HIST_HOT];
-    for (int h = 0; h < HIST_HOT; h++) best[h] = 0, hot[h] = 0xFFFF; /* 0xFFFF: no key (keys < 2^8 * 17) */
-    for (int64_t key = 0; key < nh; key++) { /* insertion into a short sorted list */
-        const uint32_t c = sample[key];
-        if (c <= best[HIST_HOT - 1]) continue;
-        int h = HIST_HOT - 1;
-        for (; h > 0 && best[h - 1] < c; h--) best[h] = best[h - 1], hot[h] = hot[h - 1];
-        best[h] = c, hot[h] = (uint16_t)key;
-    }
-    __m512i hv[HIST_HOT], acc[HIST_HOT];
-    for (int h = 0; h < HIST_HOT; h++) hv[h] = _mm512_set1_epi16((short)hot[h]), acc[h] = _mm512_setzero_si512();
-    const __m512i emask = _mm512_set1_epi16((short)((1 << E) - 1)), c17 = _mm512_set1_epi16(17);
-    const __m512i c32 = _mm512_set1_epi32(32), ones = _mm512_set1_epi16(1);
+    /* group g's counter: planes 0 and 1 in p0[g], p1[g]; plane j >= 2 in planes[j][g], and a
+       pending carry of weight 2^j in pend[j][g] while bit j - 2 of `it` is set */
+    __m512i planes[HIST_LEVELS][4], pend[HIST_LEVELS][4], p0[4], p1[4];
+    memset(planes, 0, sizeof planes);
+    for (int g = 0; g < 4; g++) p0[g] = p1[g] = _mm512_setzero_si512();
+    const __m512i emask = _mm512_set1_epi16((short)(n_exp - 1)), c17 = _mm512_set1_epi16(17), c16 = _mm512_set1_epi16(16);
+    const __m512i top = _mm512_set1_epi32(0x8000), one = _mm512_set1_epi16(1), c8 = _mm512_set1_epi16(8);
+    const __m512i ev0 = _mm512_set1_epi16((short)e0);
     const __m128i sm = _mm_cvtsi32_si128(M);
     uint16_t buf[HIST_BUF + 32];
     int nbuf = 0;
-    int64_t steps = 0;
-    for (int64_t t0 = lo; t0 < hi; t0 += 32) {
-        const __mmask32 valid = (__mmask32)lowmask64(hi - t0);
-        _mm_prefetch((const char *)(shard + t0 + 1024), _MM_HINT_T0); /* hints: never fault */
-        _mm_prefetch((const char *)(state + t0 + 1024), _MM_HINT_T0);
-        const __m512i o = _mm512_maskz_loadu_epi16(valid, state + t0), nw = _mm512_maskz_loadu_epi16(valid, shard + t0);
-        const __m512i d = _mm512_sub_epi16(nw, o);
-        const __m512i z = _mm512_xor_si512(_mm512_slli_epi16(d, 1), _mm512_srai_epi16(d, 15));
-        const __m512i la = _mm512_sub_epi32(c32, _mm512_lzcnt_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(z))));
-        const __m512i lb = _mm512_sub_epi32(c32, _mm512_lzcnt_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(z, 1))));
-        const __m512i L = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(la)), _mm512_cvtepi32_epi16(lb), 1);
-        const __m512i k = _mm512_add_epi16(_mm512_mullo_epi16(_mm512_and_si512(_mm512_srl_epi16(o, sm), emask), c17), L);
-        __mmask32 seen = 0;
-        for (int h = 0; h < HIST_HOT; h++) {
-            const __mmask32 m = _mm512_mask_cmpeq_epi16_mask(valid, k, hv[h]);
-            acc[h] = _mm512_mask_add_epi16(acc[h], m, acc[h], ones);
-            seen |= m;
-        }
-        /* the other keys, appended to a buffer (no branch per step) and counted from it */
-        const __mmask32 rest = valid & ~seen;
-        _mm512_storeu_si512(buf + nbuf, _mm512_maskz_compress_epi16(rest, k));
-        nbuf += __builtin_popcount((uint32_t)rest);
-        if (nbuf > HIST_BUF - 32 || t0 + 32 >= hi) {
-            count_keys(hist, nh, buf, nbuf);
-            nbuf = 0;
-        }
-        if (++steps == 0x7FFF || t0 + 32 >= hi) { /* a lane gains at most one per step; the sum reads lanes as int16 */
-            for (int h = 0; h < HIST_HOT; h++) {
-                if (hot[h] != 0xFFFF)
-                    hist[hot[h]] += (uint32_t)_mm512_reduce_add_epi32(_mm512_madd_epi16(acc[h], ones));
-                acc[h] = _mm512_setzero_si512();
+    int64_t it = 0; /* iterations (128 values each) since the last flush */
+    int64_t t0 = lo;
+    for (; t0 + 128 <= hi; t0 += 128) {
+        __m512i xa[4], ca[4], c4[4];
+        for (int g = 0; g < 4; g++) xa[g] = ca[g] = c4[g] = _mm512_setzero_si512(); /* dead once unrolled */
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) { /* four chunks of 32 values */
+            const int64_t t = t0 + 32 * c;
+            _mm_prefetch((const char *)(shard + t + 1024), _MM_HINT_T0); /* hints: never fault */
+            _mm_prefetch((const char *)(state + t + 1024), _MM_HINT_T0);
+            const __m512i o = _mm512_loadu_si512(state + t), nw = _mm512_loadu_si512(shard + t);
+            const __m512i d = _mm512_sub_epi16(nw, o);
+            const __m512i z = _mm512_xor_si512(_mm512_slli_epi16(d, 1), _mm512_srai_epi16(d, 15));
+            /* bit lengths: 16 - leading zeros of each 16-bit half moved to the top of a 32-bit lane
+               with bit 15 set (16 for zero) */
+            const __m512i lz_odd = _mm512_lzcnt_epi32(_mm512_or_si512(z, top));
+            const __m512i lz_even = _mm512_lzcnt_epi32(_mm512_or_si512(_mm512_slli_epi32(z, 16), top));
+            const __m512i L = _mm512_sub_epi16(c16, _mm512_or_si512(lz_even, _mm512_slli_epi32(lz_odd, 16)));
+            const __m512i e = _mm512_and_si512(_mm512_srl_epi16(o, sm), emask);
+            const __m512i sl = _mm512_sub_epi16(e, ev0); /* the slot: below 8 inside the window */
+            const __mmask32 hot = _mm512_cmplt_epu16_mask(sl, c8) & _mm512_cmplt_epu16_mask(L, c8);
+            const __m512i bin = _mm512_add_epi16(_mm512_slli_epi16(sl, 3), L);
+            /* the other keys, appended to a buffer (no branch per step) and counted from it */
+            const __mmask32 rest = (__mmask32)~hot;
+            const __m512i k = _mm512_add_epi16(_mm512_mullo_epi16(e, c17), L);
+            _mm512_storeu_si512(buf + nbuf, _mm512_maskz_compress_epi16(rest, k));
+            nbuf += __builtin_popcount((uint32_t)rest);
+            if (nbuf > HIST_BUF - 32) {
+                count_keys(hist, nh, buf, nbuf);
+                nbuf = 0;
             }
-            steps = 0;
+            for (int g = 0; g < 4; g++) { /* group g: one set bit, at bin - 16 g, per hot value */
+                const __m512i x = _mm512_maskz_sllv_epi16(hot, one, _mm512_sub_epi16(bin, _mm512_set1_epi16((short)(16 * g))));
+                if (!(c & 1)) xa[g] = x;
+                else if (c == 1) ca[g] = csa512(&p0[g], xa[g], x);          /* weight 2 */
+                else c4[g] = csa512(&p1[g], ca[g], csa512(&p0[g], xa[g], x)); /* weight 4 */
+            }
+        }
+        for (int j = 2; j < HIST_LEVELS; j++) { /* the weight-4 carries up a binary counter of planes */
+            if (!((it >> (j - 2)) & 1)) {
+                for (int g = 0; g < 4; g++) pend[j][g] = c4[g];
+                break;
+            }
+            for (int g = 0; g < 4; g++) c4[g] = csa512(&planes[j][g], pend[j][g], c4[g]);
+        }
+        it++;
+        if (it == HIST_FLUSH || t0 + 256 > hi) { /* flush: no carry reaches plane 15 */
+            for (int g = 0; g < 4; g++) {
+                hist_plane_add(p0[g], 0, g, e0, hist);
+                hist_plane_add(p1[g], 1, g, e0, hist);
+                p0[g] = p1[g] = _mm512_setzero_si512();
+                for (int j = 2; j < HIST_LEVELS; j++) {
+                    hist_plane_add(planes[j][g], j, g, e0, hist);
+                    planes[j][g] = _mm512_setzero_si512();
+                    if ((it >> (j - 2)) & 1) hist_plane_add(pend[j][g], j, g, e0, hist);
+                }
+            }
+            it = 0;
         }
     }
+    count_keys(hist, nh, buf, nbuf);
+    if (t0 < hi) delta_hist_range(16, M, E, shard, state, t0, hi, hist);
 }
 #endif
 
@@ -999,6 +1045,35 @@ ALWAYS_INLINE int64_t group_bytes_small(const uint8_t *ww, int n, int G) {
     return bytes;
 }
 
+/* The words of a group whose values merge into 8 octets of <= 64 bits each (their widths sum to
+ * <= 64 per eight values: all but about one group in 600 on real weights) at dst, exactly
+ * ceil(bits / 8) bytes; returns them. As pack64_regs, over one register: octet i starts at bit
+ * O_i in word K_i = O_i / 64 and spills into K_i + 1; the words' running sums at each word's last
+ * octet are compressed to lane j = word j. At most 512 bits: nothing spills past word 7. */
+AVX512_INLINE int pack_octets64(__m512i oct, __m512i ow, uint8_t *dst) {
+    const __m512i zero = _mm512_setzero_si512(), c63 = _mm512_set1_epi64(63);
+    __m512i O = ow, A;
+    O = _mm512_add_epi64(O, _mm512_alignr_epi64(O, zero, 7));
+    O = _mm512_add_epi64(O, _mm512_alignr_epi64(O, zero, 6));
+    O = _mm512_add_epi64(O, _mm512_alignr_epi64(O, zero, 4));
+    const uint64_t bits = (uint64_t)_mm_extract_epi64(_mm512_extracti32x4_epi32(O, 3), 1);
+    O = _mm512_sub_epi64(O, ow); /* exclusive: each octet's first bit */
+    const __m512i sh = _mm512_and_si512(O, c63), K = _mm512_srli_epi64(O, 6);
+    A = _mm512_sllv_epi64(oct, sh);
+    const __m512i Bs = _mm512_srlv_epi64(_mm512_srli_epi64(oct, 1), _mm512_sub_epi64(c63, sh));
+    A = _mm512_add_epi64(A, _mm512_alignr_epi64(A, zero, 7));
+    A = _mm512_add_epi64(A, _mm512_alignr_epi64(A, zero, 6));
+    A = _mm512_add_epi64(A, _mm512_alignr_epi64(A, zero, 4));
+    const __mmask8 m = _mm512_cmpneq_epi64_mask(K, _mm512_alignr_epi64(_mm512_set1_epi64(-1), K, 1));
+    const int nw = __builtin_popcount(m);
+    const __m512i xa = _mm512_maskz_compress_epi64(m, A), xb = _mm512_maskz_compress_epi64(m, Bs);
+    /* word j < nw: SA[j] - SA[j-1] + spill[j-1]; word nw: spill[nw-1] (0 when it lies past bit 512) */
+    const __m512i d = _mm512_maskz_sub_epi64((__mmask8)lowmask64(nw), xa, _mm512_alignr_epi64(xa, zero, 7));
+    const int gb = (int)((bits + 7) >> 3);
+    _mm512_mask_storeu_epi8(dst, lowmask64(gb), _mm512_add_epi64(d, _mm512_alignr_epi64(xb, zero, 7)));
+    return gb;
+}
+
 /* Packs a group of 64 16-bit values (z masked to their widths, and the widths, 32 per register;
  * zero widths past the group's values) at dst, exactly its ceil(bits / 8) bytes; returns them. No serial chain:
  * values merge into pairs (32-bit lanes) and quads (64-bit lanes, <= 64 bits each) by variable
@@ -1006,11 +1081,12 @@ ALWAYS_INLINE int64_t group_bytes_small(const uint8_t *ww, int n, int G) {
  * part goes and its high part spills into word k_i + 1. Inside a word the parts occupy disjoint
  * bits, so their OR is their sum, and a word's sum is the difference of running sums taken at
  * the last quad of the word and of the word before (no word lacks a quad: a quad spans <= 64 bits,
- * so consecutive quads' words differ by at most one). */
+ * so consecutive quads' words differ by at most one). Where every pair of quads fits in 64 bits
+ * they merge once more and pack_octets64 packs them from one register. */
 AVX512_INLINE int pack64_regs(const __m512i zm[2], const __m512i wv[2], uint8_t *dst) {
     const __m512i zero = _mm512_setzero_si512(), l7 = _mm512_set1_epi64(7);
     const __m512i lo32 = _mm512_set1_epi32(0xFFFF), lo64 = _mm512_set1_epi64(0xFFFFFFFF), c63 = _mm512_set1_epi64(63);
-    __m512i Q[2], O[2], A[2], Bs[2], K[2];
+    __m512i Q[2], O[2], A[2], Bs[2], K[2], Oc[2], Ow[2];
 #define CIERA_SCAN8(x)                                              \
     do {                                                           \
         x = _mm512_add_epi64(x, _mm512_alignr_epi64(x, zero, 7)); \
@@ -1025,7 +1101,14 @@ AVX512_INLINE int pack64_regs(const __m512i zm[2], const __m512i wv[2], uint8_t 
         __m512i pwl = _mm512_and_si512(pw, lo64);
         Q[h] = _mm512_or_si512(_mm512_and_si512(p, lo64), _mm512_sllv_epi64(_mm512_srli_epi64(p, 32), pwl));
         O[h] = _mm512_add_epi64(pwl, _mm512_srli_epi64(pw, 32)); /* quad widths */
+        /* octets in the even lanes: quad 2i | quad 2i+1 << its width (0 when that width is 64) */
+        Oc[h] = _mm512_or_si512(Q[h], _mm512_sllv_epi64(_mm512_bsrli_epi128(Q[h], 8), O[h]));
+        Ow[h] = _mm512_add_epi64(O[h], _mm512_bsrli_epi128(O[h], 8));
     }
+    const __m512i evens = _mm512_set_epi64(14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i ow = _mm512_permutex2var_epi64(Ow[0], evens, Ow[1]);
+    if (!_mm512_cmpgt_epu64_mask(ow, _mm512_set1_epi64(64)))
+        return pack_octets64(_mm512_permutex2var_epi64(Oc[0], evens, Oc[1]), ow, dst);
     __m512i qw0 = O[0], qw1 = O[1];
     CIERA_SCAN8(O[0]);
     CIERA_SCAN8(O[1]);
@@ -1080,72 +1163,96 @@ AVX512_FN static int pack_group64_avx512(const uint16_t *z16, const uint8_t *ww,
     return pack64_regs(zm, wv, dst);
 }
 
-/* A whole block of groups of 64 16-bit values on AVX-512, in one pass and in registers: per group,
- * the previous and new values are loaded once; the new state, z, the widths (byte permutes of the
- * previous exponents), the exceptions (z against the width masks) and the packed group all come
- * out of those registers. Groups are packed into a local buffer, copied to dst once the block's
- * size (and the raw choice) is known. Same bytes and contract as delta_encode_block. */
-AVX512_FN static int64_t delta_encode_full16_g64(const ciera_delta_layout *l, int M, int E, const delta_wctx *wc,
-                                                 const uint16_t *shard, uint16_t *state, uint8_t *counts, int64_t b,
-                                                 uint8_t *dst, int64_t room) {
-    const int64_t B = l->block_size, v0 = b * B;
+/* n bytes from src to dst by masked 64-byte moves (no library call for a few bytes). */
+AVX512_INLINE void copy_small(uint8_t *dst, const uint8_t *src, int64_t n) {
+    for (int64_t i = 0; i < n; i += 64) {
+        const __mmask64 k = lowmask64(n - i);
+        _mm512_mask_storeu_epi8(dst + i, k, _mm512_maskz_loadu_epi8(k, src + i));
+    }
+}
+
+/* Whole blocks [b_lo, b_hi) of groups of 64 16-bit values on AVX-512, back to back from dst + pos
+ * (dst holds `room` bytes), in one pass and in registers: per group, the previous and new values
+ * are loaded once; the new state, z, the widths (byte permutes of the previous exponents), the
+ * exceptions (z against the width masks, their records compressed out of the same registers) and
+ * the packed group all come out of those registers. A block's groups go straight to dst when its
+ * room holds a raw block (no block is larger), else into a local buffer copied once the block's
+ * size is known. Each block has delta_encode_block's bytes and contract; ends[b - b_lo] gets the
+ * end of block b from dst (when ends is not NULL). Returns the end of the last block. */
+AVX512_FN static int64_t delta_encode_run16_g64(const ciera_delta_layout *l, int M, int E, const delta_wctx *wc,
+                                                const uint16_t *shard, uint16_t *state, uint8_t *counts, int64_t b_lo,
+                                                int64_t b_hi, uint8_t *dst, int64_t room, int64_t pos, int64_t *ends) {
+    static const int32_t iota[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const int64_t B = l->block_size, raw_size = B * 2;
     const int I = (int)l->index_bytes, C = (int)l->count_bytes, ng = (int)(B / 64);
-    uint16_t z16[DELTA_MAX_BLOCK];
-    uint8_t ww[DELTA_MAX_BLOCK], buf[DELTA_MAX_BLOCK * 2 + 64];
-    uint64_t xm[DELTA_MAX_BLOCK / 64];
+    uint16_t z16[DELTA_MAX_BLOCK], xh[DELTA_MAX_BLOCK + 16];
+    uint8_t buf[DELTA_MAX_BLOCK * 2], xi[DELTA_MAX_BLOCK * 2 + 32];
     __m512i t[4];
     table_avx512(wc, t);
     const __m512i emask = _mm512_set1_epi16((short)((1 << E) - 1)), one = _mm512_set1_epi16(1);
+    const __m512i io = _mm512_loadu_si512(iota);
     const __m128i sm = _mm_cvtsi32_si128(M);
-    int64_t pos = 0;
-    int n_exc = 0;
-    for (int g = 0; g < ng; g++) {
-        const uint16_t *sp = shard + v0 + 64 * g;
-        uint16_t *st = state + v0 + 64 * g;
-        _mm_prefetch((const char *)(st + 1024), _MM_HINT_T0); /* hints: never fault */
-        _mm_prefetch((const char *)(sp + 1024), _MM_HINT_T0);
-        const __m512i o0 = _mm512_loadu_si512(st), o1 = _mm512_loadu_si512(st + 32);
-        const __m512i n0 = _mm512_loadu_si512(sp), n1 = _mm512_loadu_si512(sp + 32);
-        _mm512_storeu_si512(st, n0);
-        _mm512_storeu_si512(st + 32, n1);
-        const __m512i d0 = _mm512_sub_epi16(n0, o0), d1 = _mm512_sub_epi16(n1, o1);
-        const __m512i z0 = _mm512_xor_si512(_mm512_slli_epi16(d0, 1), _mm512_srai_epi16(d0, 15));
-        const __m512i z1 = _mm512_xor_si512(_mm512_slli_epi16(d1, 1), _mm512_srai_epi16(d1, 15));
-        _mm512_storeu_si512(z16 + 64 * g, z0);
-        _mm512_storeu_si512(z16 + 64 * g + 32, z1);
-        const __m512i w8 = widths64_avx512(t, exps64_avx512(o0, o1, sm, emask));
-        _mm512_storeu_si512(ww + 64 * g, w8);
-        __m512i wv[2], zm[2];
-        wv[0] = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(w8));
-        wv[1] = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(w8, 1));
-        const __m512i m0 = _mm512_sub_epi16(_mm512_sllv_epi16(one, wv[0]), one); /* w = 16: all ones */
-        const __m512i m1 = _mm512_sub_epi16(_mm512_sllv_epi16(one, wv[1]), one);
-        const uint64_t x = (uint64_t)_mm512_test_epi16_mask(z0, _mm512_ternarylogic_epi32(m0, m0, m0, 0x55)) |
-                           (uint64_t)_mm512_test_epi16_mask(z1, _mm512_ternarylogic_epi32(m1, m1, m1, 0x55)) << 32;
-        xm[g] = x;
-        n_exc += __builtin_popcountll(x);
-        zm[0] = _mm512_and_si512(z0, m0);
-        zm[1] = _mm512_and_si512(z1, m1);
-        pos += pack64_regs(zm, wv, buf + pos);
-    }
-    const int64_t table_size = pos + (int64_t)n_exc * (I + 2), raw_size = B * 2;
-    const int raw = table_size > raw_size;
-    const int64_t size = raw ? raw_size : table_size;
-    store_le(counts + b * C, raw ? (C == 1 ? 0xFF : 0xFFFF) : (uint64_t)n_exc, C);
-    if (size > room) return size;
-    if (raw) {
-        memcpy(dst, z16, (size_t)raw_size); /* little endian */
-        return size;
-    }
-    uint8_t *p = buf + pos, *hi_p = p + (int64_t)n_exc * I;
-    for (int g = 0, r = 0; g < ng; g++)
-        for (uint64_t x = xm[g]; x; x &= x - 1, r++) {
-            const int j = 64 * g + __builtin_ctzll(x);
-            store_le(p + (int64_t)r * I, (uint64_t)j, I);
-            store_le(hi_p + (int64_t)r * 2, (uint64_t)(z16[j] >> ww[j]), 2);
+    for (int64_t b = b_lo; b < b_hi; b++) {
+        const int64_t v0 = b * B, r = room - pos < 0 ? 0 : room - pos;
+        uint8_t *const bd = dst + pos, *const gd = r >= raw_size ? bd : buf;
+        int64_t gpos = 0;
+        int n_exc = 0;
+        for (int g = 0; g < ng; g++) {
+            const uint16_t *sp = shard + v0 + 64 * g;
+            uint16_t *st = state + v0 + 64 * g;
+            _mm_prefetch((const char *)(st + 1024), _MM_HINT_T0); /* hints: never fault */
+            _mm_prefetch((const char *)(sp + 1024), _MM_HINT_T0);
+            const __m512i o0 = _mm512_loadu_si512(st), o1 = _mm512_loadu_si512(st + 32);
+            const __m512i n0 = _mm512_loadu_si512(sp), n1 = _mm512_loadu_si512(sp + 32);
+            _mm512_storeu_si512(st, n0);
+            _mm512_storeu_si512(st + 32, n1);
+            const __m512i d0 = _mm512_sub_epi16(n0, o0), d1 = _mm512_sub_epi16(n1, o1);
+            const __m512i z0 = _mm512_xor_si512(_mm512_slli_epi16(d0, 1), _mm512_srai_epi16(d0, 15));
+            const __m512i z1 = _mm512_xor_si512(_mm512_slli_epi16(d1, 1), _mm512_srai_epi16(d1, 15));
+            _mm512_storeu_si512(z16 + 64 * g, z0); /* for a raw block */
+            _mm512_storeu_si512(z16 + 64 * g + 32, z1);
+            const __m512i w8 = widths64_avx512(t, exps64_avx512(o0, o1, sm, emask));
+            __m512i wv[2], zm[2];
+            wv[0] = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(w8));
+            wv[1] = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(w8, 1));
+            const __m512i m0 = _mm512_sub_epi16(_mm512_sllv_epi16(one, wv[0]), one); /* w = 16: all ones */
+            const __m512i m1 = _mm512_sub_epi16(_mm512_sllv_epi16(one, wv[1]), one);
+            const uint64_t x = (uint64_t)_mm512_test_epi16_mask(z0, _mm512_ternarylogic_epi32(m0, m0, m0, 0x55)) |
+                               (uint64_t)_mm512_test_epi16_mask(z1, _mm512_ternarylogic_epi32(m1, m1, m1, 0x55)) << 32;
+            if (x) { /* about one group in nine: the records (index, z >> w) of its exceptions, in order */
+                const __m512i h0 = _mm512_srlv_epi16(z0, wv[0]), h1 = _mm512_srlv_epi16(z1, wv[1]);
+                const __m256i hq[4] = {_mm512_castsi512_si256(h0), _mm512_extracti64x4_epi64(h0, 1),
+                                       _mm512_castsi512_si256(h1), _mm512_extracti64x4_epi64(h1, 1)};
+                for (int q = 0; q < 4; q++) {
+                    const __mmask16 xq = (__mmask16)(x >> (16 * q)), km = (__mmask16)lowmask64(__builtin_popcount(xq));
+                    const __m512i ix = _mm512_maskz_compress_epi32(xq, _mm512_add_epi32(io, _mm512_set1_epi32(64 * g + 16 * q)));
+                    _mm512_mask_cvtepi32_storeu_epi16(xh + n_exc, km, _mm512_maskz_compress_epi32(xq, _mm512_cvtepu16_epi32(hq[q])));
+                    if (I == 1) _mm512_mask_cvtepi32_storeu_epi8(xi + n_exc, km, ix);
+                    else _mm512_mask_cvtepi32_storeu_epi16(xi + 2 * n_exc, km, ix); /* little endian */
+                    n_exc += __builtin_popcount(xq);
+                }
+            }
+            zm[0] = _mm512_and_si512(z0, m0);
+            zm[1] = _mm512_and_si512(z1, m1);
+            gpos += pack64_regs(zm, wv, gd + gpos);
         }
-    memcpy(dst, buf, (size_t)size);
-    return size;
+        const int64_t table_size = gpos + (int64_t)n_exc * (I + 2);
+        const int raw = table_size > raw_size;
+        const int64_t size = raw ? raw_size : table_size;
+        store_le(counts + b * C, raw ? (C == 1 ? 0xFF : 0xFFFF) : (uint64_t)n_exc, C);
+        if (size <= r) {
+            if (raw) {
+                memcpy(bd, z16, (size_t)raw_size); /* little endian */
+            } else {
+                if (gd == buf) memcpy(bd, buf, (size_t)gpos);
+                copy_small(bd + gpos, xi, (int64_t)n_exc * I);
+                copy_small(bd + gpos + (int64_t)n_exc * I, (const uint8_t *)xh, (int64_t)n_exc * 2);
+            }
+        }
+        pos += size;
+        if (ends) ends[b - b_lo] = pos;
+    }
+    return pos;
 }
 
 /* delta_encode_block for 16-bit values on AVX-512 (same bytes, same contract): z, the new state
@@ -1160,7 +1267,6 @@ AVX512_FN static int64_t delta_encode_block16_avx512(const ciera_delta_layout *l
     const int G = (int)l->group_size, I = (int)l->index_bytes, C = (int)l->count_bytes;
     const int64_t v0 = b * B;
     const int valid = (int)min64(B, n - v0);
-    if (G == 64 && valid == B) return delta_encode_full16_g64(l, M, E, wc, shard, state, counts, b, dst, room);
     uint16_t z16[DELTA_MAX_BLOCK + 64], m16[DELTA_MAX_BLOCK + 64];
     uint8_t ee[DELTA_MAX_BLOCK + 64], ww[DELTA_MAX_BLOCK + 128];
     uint16_t exc[DELTA_MAX_BLOCK];
@@ -1364,14 +1470,40 @@ HOT static void delta_hist_dispatch(const ciera_delta_layout *l, const void *sha
     else delta_hist_range(32, 23, 8, shard, state, lo, hi, hist);
 }
 
+/* The counts the width table is chosen from, over values [lo, hi): hist[e * (W + 1) + L] (int64,
+ * 2^E * (W + 1) entries, overwritten) = values whose previous exponent is e and whose z has bit
+ * length L, by the path an encode on this CPU takes. For tests; CIERA_E_NOMEM / CIERA_E_ARGS. */
+int ciera_delta_histogram(const ciera_delta_layout *l, const void *shard, const void *state, int64_t lo, int64_t hi,
+                          int64_t *hist) {
+    if (!delta_supported(l) || lo < 0 || hi < lo || hi > l->numel) return CIERA_E_ARGS;
+    const int64_t n_hist = ((int64_t)1 << l->exp_bits) * (l->total_bits + 1);
+    uint32_t *hists = calloc((size_t)4 * n_hist, sizeof(uint32_t));
+    if (!hists) return CIERA_E_NOMEM;
+    delta_hist_dispatch(l, shard, state, lo, hi, hists);
+    for (int64_t i = 0; i < n_hist; i++)
+        hist[i] = (int64_t)hists[i] + hists[n_hist + i] + hists[2 * n_hist + i] + hists[3 * n_hist + i];
+    free(hists);
+    return CIERA_OK;
+}
+
 /* Encodes blocks [b_lo, b_hi) back to back from dst, which holds `room` bytes (packing stops at
  * the first block that does not fit; sizes go on). ends[b - b_lo]: end of block b from dst (when
  * ends is not NULL). Returns the bytes of the whole range. */
 HOT static int64_t delta_encode_blocks(const ciera_delta_layout *l, const delta_wctx *wc, const void *shard, void *state,
                                    uint8_t *counts, int64_t b_lo, int64_t b_hi, uint8_t *dst, int64_t room,
                                    int64_t *ends) {
-    int64_t pos = 0;
-    for (int64_t b = b_lo; b < b_hi; b++) {
+    int64_t pos = 0, b = b_lo;
+#if CIERA_X86
+    if (l->total_bits == 16 && wc->avx512 && l->group_size == 64) { /* the whole blocks in one run */
+        const int64_t b_full = min64(b_hi, l->numel / l->block_size);
+        if (b < b_full) {
+            pos = delta_encode_run16_g64(l, (int)l->mant_bits, (int)l->exp_bits, wc, (const uint16_t *)shard,
+                                         (uint16_t *)state, counts, b, b_full, dst, room, 0, ends);
+            b = b_full;
+        }
+    }
+#endif
+    for (; b < b_hi; b++) {
         int64_t r = room - pos < 0 ? 0 : room - pos;
 #if CIERA_X86
         if (l->total_bits == 16 && wc->avx512)
