@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import random
 import subprocess
 import sys
 import time
@@ -424,6 +425,56 @@ def test_delta_histogram_equals_the_reference_count_for_count(kind, dtype, n, mo
             got = histogram_native(layout=layout, shard_bits=yb, state=xb, lo=lo, hi=hi)
             bad = (got != want).nonzero().flatten()
             assert bad.numel() == 0, (kind, dtype, avx512, lo, hi, bad[:4].tolist(), got[bad[:4]].tolist(), want[bad[:4]].tolist())
+
+
+@pytest.mark.parametrize("dtype,n", [(torch.bfloat16, 128 * 6 + 50), (torch.float16, 128 * 6 + 50), (torch.bfloat16, 128 * 8)])
+def test_delta_corrupt_payloads_give_the_same_result_on_every_path(dtype, n, threads, monkeypatch):
+    """The AVX-512 decode checks whole blocks on its own (counts, exception indices, sizes against
+    the payload's end, in both directions): on payloads with garbage in the counts or the data,
+    and on truncated ones, every path reports the same error or decodes the same values, at each
+    thread count (at 2 and 3 the last chunk runs backwards from the header's end when that is
+    plausible). With whole blocks only, the run's own checks are the last ones."""
+    from ciera.native.delta import decode_native
+
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(n, generator=gen) * 0.02).to(dtype)
+    y = (x.float() + torch.randn(n, generator=gen) * 2e-3).to(dtype)
+    codec = make_codec("delta", dtype=dtype, numel=n, backend="native")
+    lay = codec.layout
+    out = torch.zeros(codec.clamp_capacity(codec.max_bytes), dtype=torch.uint8)
+    codec.encode(shard=y, state=codec.new_state(shard=x), out=out)
+    needed = int(out[16:24].view(torch.int64)[0])
+    counts = out[lay.off_counts: lay.off_counts + lay.n_blocks]
+    assert ((counts > 0) & (counts < lay.raw_mark)).any()  # blocks with exceptions: indices to corrupt
+
+    def decode(payload):
+        target = as_bits(x.clone())
+        try:
+            decode_native(layout=lay, payload=payload, target_bits=target)
+        except ValueError as e:
+            return str(e)
+        return target
+
+    rng = random.Random(7)
+    for trial in range(200):
+        p = out[:needed].clone()
+        if trial % 4 == 0:
+            p = p[: rng.randrange(lay.off_data, needed)]
+        else:  # edge values too: an index of exactly the block size is the first one past it
+            for _ in range(rng.randint(1, 3)):
+                p[rng.randrange(lay.off_counts, needed)] = rng.choice([lay.block_size, lay.block_size - 1, 255, rng.randrange(256)])
+        for k in (1, 2, 3):
+            threads(k)
+            got = []
+            for avx2, avx512 in (("0", "0"), ("1", "0"), ("1", "1")):
+                monkeypatch.setenv("CIERA_NATIVE_AVX2", avx2)
+                monkeypatch.setenv("CIERA_NATIVE_AVX512", avx512)
+                got.append(decode(p))
+            for r in got[1:]:  # at 2 threads the two meet where their speeds take them: which error is found varies
+                if isinstance(r, str) and isinstance(got[0], str):
+                    assert k == 2 or r == got[0], (trial, k, got[0], r)
+                else:
+                    assert not isinstance(r, str) and not isinstance(got[0], str) and torch.equal(r, got[0]), (trial, k)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -727,16 +727,15 @@ AVX512_FN static int64_t block_widths16_avx512(const delta_wctx *c, int M, int E
     return bytes;
 }
 
-/* The n <= 64 values of the 16-bit group at p (widths ww, read below n only) into zz[0, n) (and
- * zeros or garbage up to the next multiple of 16, which a later group overwrites); returns the
- * group's bytes. No serial chain: every value's bit offset is a prefix sum of the widths (two
- * 32-lane scans), its three bytes (a value spans <= 16 + 7 bits) come out of the group's <= 128
- * bytes (loaded with a mask: never past the group) by one two-register byte permute per 16
- * values, then a shift and a mask. */
-AVX512_FN static int unpack_group16_avx512(const uint8_t *p, const uint8_t *ww, int n, uint32_t *zz) {
+/* The n <= 64 values of the 16-bit group at p (widths w8, zero from n on) into z[q] (values
+ * 16q .. 16q + 15, 32-bit lanes; those at n and past are garbage); returns the group's bytes. No
+ * serial chain: every value's bit offset is a prefix sum of the widths (two 32-lane scans), its
+ * three bytes (a value spans <= 16 + 7 bits) come out of the group's <= 128 bytes (loaded with a
+ * mask: never past the group) by one two-register byte permute per 16 values, then a shift and a
+ * mask. */
+AVX512_INLINE int unpack64_regs(const uint8_t *p, __m512i w8, int n, __m512i z[4]) {
     static const uint16_t iota[32] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15,
                                       16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
-    const __m512i w8 = _mm512_maskz_loadu_epi8(lowmask64(n), ww);
     const int gb = (int)((_mm512_reduce_add_epi64(_mm512_sad_epu8(w8, _mm512_setzero_si512())) + 7) >> 3);
     const __m512i lo = _mm512_maskz_loadu_epi8(lowmask64(gb), p), hi = _mm512_maskz_loadu_epi8(lowmask64(gb - 64), p + 64);
     const __m512i wa = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(w8)), wb = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(w8, 1));
@@ -756,16 +755,28 @@ AVX512_FN static int unpack_group16_avx512(const uint8_t *p, const uint8_t *ww, 
     const __m512i seq = _mm512_set1_epi32(0x03020100), seven = _mm512_set1_epi32(7), one = _mm512_set1_epi32(1);
 #define CIERA_Q(t, off16, w128)                                                                           \
     if (16 * (t) < n) {                                                                                   \
-        __m512i o = _mm512_cvtepu16_epi32(off16), w = _mm512_cvtepu8_epi32(w128);                         \
-        __m512i ix = _mm512_add_epi8(_mm512_shuffle_epi8(_mm512_srli_epi32(o, 3), bcast), seq);         \
-        __m512i v = _mm512_srlv_epi32(_mm512_permutex2var_epi8(lo, ix, hi), _mm512_and_si512(o, seven)); \
-        _mm512_storeu_si512(zz + 16 * (t), _mm512_and_si512(v, _mm512_sub_epi32(_mm512_sllv_epi32(one, w), one))); \
+        const __m512i o = _mm512_cvtepu16_epi32(off16), w = _mm512_cvtepu8_epi32(w128);                   \
+        const __m512i ix = _mm512_add_epi8(_mm512_shuffle_epi8(_mm512_srli_epi32(o, 3), bcast), seq);    \
+        const __m512i v = _mm512_srlv_epi32(_mm512_permutex2var_epi8(lo, ix, hi), _mm512_and_si512(o, seven)); \
+        z[t] = _mm512_and_si512(v, _mm512_sub_epi32(_mm512_sllv_epi32(one, w), one));                     \
     }
     CIERA_Q(0, _mm512_castsi512_si256(a), _mm512_castsi512_si128(w8))
     CIERA_Q(1, _mm512_extracti64x4_epi64(a, 1), _mm512_extracti32x4_epi32(w8, 1))
     CIERA_Q(2, _mm512_castsi512_si256(b), _mm512_extracti32x4_epi32(w8, 2))
     CIERA_Q(3, _mm512_extracti64x4_epi64(b, 1), _mm512_extracti32x4_epi32(w8, 3))
 #undef CIERA_Q
+    return gb;
+}
+
+/* unpack64_regs of the group at p (widths ww, read below n only) into zz[0, n) (and garbage up to
+ * the next multiple of 16, which a later group overwrites). */
+AVX512_FN static int unpack_group16_avx512(const uint8_t *p, const uint8_t *ww, int n, uint32_t *zz) {
+    __m512i z[4];
+    const int gb = unpack64_regs(p, _mm512_maskz_loadu_epi8(lowmask64(n), ww), n, z);
+    if (n > 0) _mm512_storeu_si512(zz, z[0]);
+    if (n > 16) _mm512_storeu_si512(zz + 16, z[1]);
+    if (n > 32) _mm512_storeu_si512(zz + 32, z[2]);
+    if (n > 48) _mm512_storeu_si512(zz + 48, z[3]);
     return gb;
 }
 #endif
@@ -1336,6 +1347,86 @@ AVX512_FN static int64_t delta_encode_block16_avx512(const ciera_delta_layout *l
     return size;
 }
 
+/* Whole blocks [b_lo, b_hi) of groups of 64 16-bit values on AVX-512, decoded into target:
+ * forward from their data's start pos (rev = 0: returns their end) or last block first from
+ * their data's end pos (rev = 1: returns their start); a negative error code otherwise. Same
+ * checks and results as delta_decode_chunk, in one call: per block, the widths come from the
+ * previous values in registers, and a block without exceptions (most of them) adds each group's
+ * values to target straight from the registers they were unpacked into. */
+AVX512_FN static int64_t delta_decode_run16_g64(const ciera_delta_layout *l, int M, int E, const delta_wctx *wc,
+                                                const uint8_t *payload, int64_t length, uint16_t *target, int64_t b_lo,
+                                                int64_t b_hi, int64_t pos, int rev) {
+    const int64_t B = l->block_size;
+    const int I = (int)l->index_bytes, C = (int)l->count_bytes, ng = (int)(B / 64);
+    const uint64_t mark = C == 1 ? 0xFF : 0xFFFF;
+    const uint8_t *counts = payload + l->off_counts;
+    uint8_t ww[DELTA_MAX_BLOCK];
+    uint32_t zz[DELTA_MAX_BLOCK];
+    __m512i t[4];
+    table_avx512(wc, t);
+    const __m512i emask = _mm512_set1_epi16((short)((1 << E) - 1)), one32 = _mm512_set1_epi32(1), one16 = _mm512_set1_epi16(1);
+    const __m128i sm = _mm_cvtsi32_si128(M);
+    const int ahead = rev ? -1024 : 1024; /* prefetch hints in the direction of travel */
+#define CIERA_ADD16(dst, z32) /* 16 values: dst += unzigzag(z) mod 2^16 */                                      \
+    _mm256_storeu_si256((__m256i *)(dst),                                                                           \
+                        _mm512_cvtepi32_epi16(_mm512_add_epi32(                                                     \
+                            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(dst))),                      \
+                            _mm512_xor_si512(_mm512_srli_epi32(z32, 1),                                            \
+                                             _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_and_si512(z32, one32))))))
+    for (int64_t i = 0; i < b_hi - b_lo; i++) {
+        const int64_t b = rev ? b_hi - 1 - i : b_lo + i;
+        uint16_t *tg = target + b * B;
+        const uint64_t c = load_le(counts + b * C, C);
+        int64_t size;
+        if (c == mark) {
+            size = B * 2;
+        } else {
+            if ((int64_t)c > B) return CIERA_E_BAD_COUNT;
+            size = (int64_t)c * (I + 2);
+            for (int g = 0; g < ng; g++) {
+                _mm_prefetch((const char *)(tg + 64 * g + ahead), _MM_HINT_T0); /* hints: never fault */
+                _mm_prefetch((const char *)(tg + 64 * g + ahead + 32), _MM_HINT_T0);
+                const __m512i w8 = widths64_avx512(t, exps64_avx512(_mm512_loadu_si512(tg + 64 * g),
+                                                                  _mm512_loadu_si512(tg + 64 * g + 32), sm, emask));
+                _mm512_storeu_si512(ww + 64 * g, w8);
+                size += (int64_t)(((uint64_t)_mm512_reduce_add_epi64(_mm512_sad_epu8(w8, _mm512_setzero_si512())) + 7) >> 3);
+            }
+        }
+        if (rev) {
+            _mm_prefetch((const char *)(payload + pos - 768), _MM_HINT_T0);
+            if (pos - size < l->off_data) return CIERA_E_TRUNCATED;
+            pos -= size;
+        }
+        if (pos + size > length) return CIERA_E_TRUNCATED;
+        const uint8_t *p = payload + pos; /* every group lies inside [pos, pos + size) */
+        if (c == mark) { /* raw: little-endian z */
+            for (int j = 0; j < B; j += 32) {
+                const __m512i z = _mm512_loadu_si512(p + 2 * j);
+                const __m512i d = _mm512_xor_si512(_mm512_srli_epi16(z, 1), _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_and_si512(z, one16)));
+                _mm512_storeu_si512(tg + j, _mm512_add_epi16(_mm512_loadu_si512(tg + j), d));
+            }
+        } else if (c == 0) {
+            for (int g = 0; g < ng; g++) {
+                __m512i z[4];
+                p += unpack64_regs(p, _mm512_loadu_si512(ww + 64 * g), 64, z);
+                for (int q = 0; q < 4; q++) CIERA_ADD16(tg + 64 * g + 16 * q, z[q]);
+            }
+        } else {
+            for (int g = 0; g < ng; g++) p += unpack_group16_avx512(p, ww + 64 * g, 64, zz + 64 * g);
+            const uint8_t *hi_p = p + (int64_t)c * I;
+            for (int r = 0; r < (int)c; r++) {
+                const int64_t j = (int64_t)load_le(p + (int64_t)r * I, I);
+                if (j >= B) return CIERA_E_BAD_INDEX;
+                zz[j] |= (uint32_t)(load_le(hi_p + (int64_t)r * 2, 2) << ww[j]);
+            }
+            for (int j = 0; j < B; j += 16) CIERA_ADD16(tg + j, _mm512_loadu_si512(zz + j));
+        }
+        if (!rev) pos += size;
+    }
+#undef CIERA_ADD16
+    return pos;
+}
+
 /* Decodes table-mode block b (c exceptions) of 16-bit values on AVX-512 into target. Its data
  * starts at pos (rev = 0: returns the block's end) or ends at pos (rev = 1: returns its start); a
  * negative error code otherwise. Same checks as delta_decode_chunk. */
@@ -1684,6 +1775,19 @@ ALWAYS_INLINE int64_t delta_decode_chunk(const ciera_delta_layout *l, int W, int
     const uint64_t mark = C == 1 ? 0xFF : 0xFFFF;
     uint8_t ww[DELTA_MAX_BLOCK + 128];
     uint32_t zz[DELTA_MAX_BLOCK + 4];
+    /* groups of 64 on AVX-512: the whole blocks [run_lo, run_hi) in one run; the trailing partial
+       block (when in this chunk) in the loop below, after the run going forward, before it going
+       backward */
+    const int64_t run_lo = b_lo;
+    int64_t run_hi = b_lo;
+#if CIERA_X86
+    if (W == 16 && wc->avx512 && G == 64) run_hi = b_lo > min64(b_hi, n / B) ? b_lo : min64(b_hi, n / B);
+    if (run_hi > run_lo && !rev) {
+        pos = delta_decode_run16_g64(l, M, E, wc, payload, length, (uint16_t *)target, run_lo, run_hi, pos, 0);
+        if (pos < 0) return pos;
+    }
+#endif
+    b_lo = run_hi;
     for (int64_t i = 0; i < b_hi - b_lo; i++) {
         const int64_t b = rev ? b_hi - 1 - i : b_lo + i;
         const int64_t v0 = b * B;
@@ -1749,6 +1853,10 @@ ALWAYS_INLINE int64_t delta_decode_chunk(const ciera_delta_layout *l, int W, int
             store_u(target, v0 + j, unzigzag_add_u(load_u(target, v0 + j, W), zz[j], W), W);
         if (!rev) pos = end;
     }
+#if CIERA_X86
+    if (run_hi > run_lo && rev)
+        pos = delta_decode_run16_g64(l, M, E, wc, payload, length, (uint16_t *)target, run_lo, run_hi, pos, 1);
+#endif
     return pos;
 }
 
