@@ -794,6 +794,8 @@ ALWAYS_INLINE void delta_widths(const delta_wctx *c, const uint8_t *idx, uint8_t
 ALWAYS_INLINE int delta_exceptions(const delta_wctx *c, const uint32_t *zz, const uint32_t *zm, int n, uint16_t *exc) {
 #if CIERA_X86
     if (c->avx2) return exceptions_avx2(zz, zm, n, exc);
+#else
+    (void)c;
 #endif
     int k = 0;
     for (int j = 0; j < n; j++) {
@@ -1780,6 +1782,7 @@ ALWAYS_INLINE int64_t delta_decode_chunk(const ciera_delta_layout *l, int W, int
        backward */
     const int64_t run_lo = b_lo;
     int64_t run_hi = b_lo;
+    (void)run_lo;
 #if CIERA_X86
     if (W == 16 && wc->avx512 && G == 64) run_hi = b_lo > min64(b_hi, n / B) ? b_lo : min64(b_hi, n / B);
     if (run_hi > run_lo && !rev) {
