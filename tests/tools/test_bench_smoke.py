@@ -25,6 +25,18 @@ def test_bench_codec_smoke(capsys):
     assert "| delta | reference | 1 |" in out and "| delta | native | 2 |" in out
 
 
+def test_bench_native_smoke(capsys):
+    from ciera import native
+
+    if not native.available():
+        pytest.skip(f"native codecs not built: {native.unavailable_reason()}")
+    assert load("bench_native").main(["--numel", "70000", "--repeats", "2"]) == 0
+    out = capsys.readouterr().out
+    for row in ("| - | memmove | 1 |", "| exponent_reuse | decode | 2 |", "| delta | encode | 1 |",
+                "| delta | histogram pass | 1 |"):
+        assert row in out, row
+
+
 def test_bench_codec_block_sweep_smoke(capsys):
     assert load("bench_codec").main(["--smoke", "--sweep-block"]) == 0
     assert "| exponent_reuse | auto | " in (out := capsys.readouterr().out) and " | 512 | " in out
