@@ -258,11 +258,14 @@ HOT static int64_t er_encode_range_dispatch(const ciera_er_layout *l, const void
 }
 
 #if CIERA_X86
+#define ER_STAGE 512 /* changed blocks' exponents staged before they are copied to their slots */
 /* bf16, B = 8 on AVX-512 (VBMI): one 64-value tile per step, as the portable loop but in
  * registers. The tile's low and high bytes come out of its two vectors by two byte permutes;
  * sign|mantissa = high bit 7 | low bits 0-6, exponent = high << 1 | low >> 7. Its 8 blocks are the
  * tile's 8 qwords of exponent bytes: one test gives the tile's bitmap byte, one compress its
- * changed blocks' exponents, stored under a mask (never past `room` slots, nothing else written).
+ * changed blocks' exponents. Those go to a staging buffer by whole-register stores, copied out a
+ * few KB at a time (never past `room` slots, nothing else written): a masked store per tile into
+ * the slots, each overlapping the last, took two thirds of the time (0.6 -> 0.25 ms per 4M values).
  * Encodes the whole tiles of [lo, hi) (lo a multiple of 64); *end: where they stop. */
 AVX512_FN static int64_t er_encode_bf16_b8_avx512(const ciera_er_layout *l, const uint16_t *shard, uint8_t *state,
                                                   uint8_t *out, int64_t lo, int64_t hi, uint8_t *exps, int64_t room,
@@ -270,7 +273,14 @@ AVX512_FN static int64_t er_encode_bf16_b8_avx512(const ciera_er_layout *l, cons
     uint8_t *sm_out = out + l->off_signmant, *bitmap = out + l->off_bitmap;
     const __m512i even = _mm512_loadu_si512(even_bytes), odd = _mm512_add_epi8(even, _mm512_set1_epi8(1));
     const __m512i m80 = _mm512_set1_epi8((char)0x80), one = _mm512_set1_epi8(1);
-    int64_t n_changed = 0, t0 = lo;
+    uint8_t stage[8 * ER_STAGE + 64];
+    int64_t n_changed = 0, staged = 0, t0 = lo; /* n_changed counts the staged slots too */
+#define CIERA_FLUSH()                                                                              \
+    do {                                                                                           \
+        const int64_t first = n_changed - staged, fit = min64(staged, room - first);                \
+        if (fit > 0) memcpy(exps + first * 8, stage, (size_t)(fit * 8));                           \
+        staged = 0;                                                                                \
+    } while (0)
     for (; t0 + 64 <= hi; t0 += 64) {
         const __m512i a = _mm512_loadu_si512(shard + t0), b = _mm512_loadu_si512(shard + t0 + 32);
         const __m512i L = _mm512_permutex2var_epi8(a, even, b), H = _mm512_permutex2var_epi8(a, odd, b);
@@ -282,11 +292,13 @@ AVX512_FN static int64_t er_encode_bf16_b8_avx512(const ciera_er_layout *l, cons
         const __mmask8 ch = _mm512_test_epi64_mask(_mm512_xor_si512(e, old), _mm512_xor_si512(e, old));
         bitmap[t0 >> 6] = (uint8_t)ch;
         const int c = __builtin_popcount(ch);
-        const int64_t fit = min64(c, room - n_changed < 0 ? 0 : room - n_changed);
-        if (fit > 0)
-            _mm512_mask_storeu_epi64(exps + n_changed * 8, (__mmask8)lowmask64(fit), _mm512_maskz_compress_epi64(ch, e));
+        _mm512_storeu_si512(stage + staged * 8, _mm512_maskz_compress_epi64(ch, e));
+        staged += c;
         n_changed += c;
+        if (staged > ER_STAGE - 8) CIERA_FLUSH();
     }
+    CIERA_FLUSH();
+#undef CIERA_FLUSH
     *end = t0;
     return n_changed;
 }
