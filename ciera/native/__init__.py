@@ -55,9 +55,12 @@ Why C11 + OpenMP behind ctypes, built by ``setup.py``:
 * exponent_reuse on bf16 with blocks of 8 (the default) has an AVX-512 path in both directions,
   a 64-value tile per step in registers: two byte permutes split the tile into its low and high
   bytes, a tile's 8 blocks are the 8 qwords of its exponent bytes (one test gives its bitmap byte,
-  one compress its changed blocks' exponents, stored under a mask; decoding loads them under a mask
-  and expands them). The portable loop left gcc's vectoriser with a branch per block: 7 / 6 GB/s
-  encode / decode at one thread on the EPYC dev VM, 12 / 21 GB/s with it (BENCHMARKS.md).
+  one compress its changed blocks' exponents, staged by whole-register stores and copied to their
+  slots a few KB at a time -- a masked store per tile straight into the slots, each overlapping
+  the last, cost two thirds of the encode; decoding loads them under a mask and expands them). The
+  portable loop left gcc's vectoriser with a branch per block: 7 / 6 GB/s encode / decode at one
+  thread on the EPYC dev VM, 12 / 21 GB/s with the tile path, 32 / 22 GB/s with the staging
+  (library calls alone, BENCHMARKS.md).
 
 * ``Codec.encode`` / ``Codec.decode`` on CPU tensors are one C call each (``ciera_encode`` /
   ``ciera_decode``, :class:`ciera.native._lib.Direct`): the header is written and checked in C, so no
