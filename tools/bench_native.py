@@ -35,9 +35,6 @@ from ciera.native import delta as native_delta  # noqa: E402
 from ciera.native import exponent_reuse as native_er  # noqa: E402
 from ciera.trajectory import AdamTrajectory  # noqa: E402
 
-_P, _I64 = ctypes.c_void_p, ctypes.c_int64
-
-
 def load_library(path: str | None) -> ctypes.CDLL:
     """The package's library (checked as ``Codec`` loads it), or the build at ``path``."""
     if path is None:
@@ -46,11 +43,7 @@ def load_library(path: str | None) -> ctypes.CDLL:
             raise SystemExit(f"bench_native: {_lib.unavailable_reason()}")
         return lib
     lib = ctypes.CDLL(str(Path(path).resolve()))
-    lib.ciera_encode.restype, lib.ciera_encode.argtypes = _I64, [ctypes.c_int, _P, _P, _P, _P, _I64, ctypes.c_int]
-    lib.ciera_decode.restype, lib.ciera_decode.argtypes = ctypes.c_int, [ctypes.c_int, _P, _P, _I64, _P, ctypes.c_int]
-    if hasattr(lib, "ciera_delta_histogram"):
-        lib.ciera_delta_histogram.restype = ctypes.c_int
-        lib.ciera_delta_histogram.argtypes = [_P, _P, _P, _I64, _I64, _P]
+    _lib.declare(lib, missing_ok=True)
     return lib
 
 

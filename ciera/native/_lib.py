@@ -68,7 +68,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
             if abi != ABI:
                 reason = f"{path.name} is a stale build (ABI {abi}, expected {ABI}); rebuild with `make native`"
             else:
-                _declare(lib)
+                declare(lib)
                 return lib, ""
         except OSError as e:
             reason = f"cannot load {path}: {e}"
@@ -76,25 +76,30 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     return None, reason
 
 
-def _declare(lib: ctypes.CDLL) -> None:
-    lib.ciera_openmp.restype = ctypes.c_int
-    for name in ("ciera_er_encode", "ciera_delta_encode"):
-        fn = getattr(lib, name)
-        fn.restype = _I64
-        fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, ctypes.c_int]
-    for name in ("ciera_er_decode", "ciera_delta_decode"):
-        fn = getattr(lib, name)
-        fn.restype = ctypes.c_int
-        fn.argtypes = [_PTR, _PTR, _I64, _PTR, ctypes.c_int]
-    lib.ciera_encode.restype = _I64
-    lib.ciera_encode.argtypes = [ctypes.c_int, _PTR, _PTR, _PTR, _PTR, _I64, ctypes.c_int]
-    lib.ciera_decode.restype = ctypes.c_int
-    lib.ciera_decode.argtypes = [ctypes.c_int, _PTR, _PTR, _I64, _PTR, ctypes.c_int]
-    lib.ciera_delta_histogram.restype = ctypes.c_int
-    lib.ciera_delta_histogram.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, _PTR]
-    lib.ciera_decode_many.restype = ctypes.c_int
-    lib.ciera_decode_many.argtypes = [ctypes.c_int, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64,
-                                      ctypes.c_int, ctypes.POINTER(_I64)]
+_ENCODE = (_I64, [_PTR, _PTR, _PTR, _PTR, _I64, ctypes.c_int])
+_DECODE = (ctypes.c_int, [_PTR, _PTR, _I64, _PTR, ctypes.c_int])
+SIGNATURES = {
+    "ciera_openmp": (ctypes.c_int, []),
+    "ciera_er_encode": _ENCODE,
+    "ciera_delta_encode": _ENCODE,
+    "ciera_er_decode": _DECODE,
+    "ciera_delta_decode": _DECODE,
+    "ciera_encode": (_I64, [ctypes.c_int, _PTR, _PTR, _PTR, _PTR, _I64, ctypes.c_int]),
+    "ciera_decode": (ctypes.c_int, [ctypes.c_int, _PTR, _PTR, _I64, _PTR, ctypes.c_int]),
+    "ciera_delta_histogram": (ctypes.c_int, [_PTR, _PTR, _PTR, _I64, _I64, _PTR]),
+    "ciera_decode_many": (ctypes.c_int, [ctypes.c_int, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64,
+                                         ctypes.c_int, ctypes.POINTER(_I64)]),
+}
+"""(restype, argtypes) of each entry point the library exports."""
+
+
+def declare(lib: ctypes.CDLL, *, missing_ok: bool = False) -> None:
+    """Sets :data:`SIGNATURES` on ``lib``. ``missing_ok``: skip the entry points a build lacks (an
+    older build, timed by tools/bench_native.py); otherwise a missing one raises AttributeError."""
+    for name, (restype, argtypes) in SIGNATURES.items():
+        fn = getattr(lib, name, None) if missing_ok else getattr(lib, name)
+        if fn is not None:
+            fn.restype, fn.argtypes = restype, argtypes
 
 
 def library() -> ctypes.CDLL | None:

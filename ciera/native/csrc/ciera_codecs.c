@@ -683,6 +683,17 @@ AVX512_INLINE __m512i exps64_avx512(__m512i a, __m512i b, __m128i sm, __m512i em
                                     _mm512_and_si512(_mm512_srl_epi16(b, sm), emask));
 }
 
+/* Bytes of a byte-aligned group whose (<= 64) widths are the bytes of w: ceil(sum / 8). */
+AVX512_INLINE int group_bytes_w8(__m512i w) {
+    return (int)(((uint64_t)_mm512_reduce_add_epi64(_mm512_sad_epu8(w, _mm512_setzero_si512())) + 7) >> 3);
+}
+
+/* z = zigzag(new - old) of 32 16-bit values. */
+AVX512_INLINE __m512i zigzag16_avx512(__m512i nw, __m512i old) {
+    const __m512i d = _mm512_sub_epi16(nw, old);
+    return _mm512_xor_si512(_mm512_slli_epi16(d, 1), _mm512_srai_epi16(d, 15));
+}
+
 AVX512_FN static void widths_avx512(const delta_wctx *c, const uint8_t *idx, uint8_t *ww, int n) {
     __m512i t[4];
     table_avx512(c, t);
@@ -709,7 +720,7 @@ AVX512_FN static int64_t block_bytes16_avx512(const delta_wctx *c, int M, int E,
         const __m512i b = _mm512_maskz_loadu_epi16((__mmask32)lowmask64(valid - j - 32), prev + j + 32);
         const __m512i w = _mm512_maskz_mov_epi8(lowmask64(valid - j), widths64_avx512(t, exps64_avx512(a, b, sm, emask)));
         if (ww) _mm512_storeu_si512(ww + j, w);
-        bytes += (int64_t)(((uint64_t)_mm512_reduce_add_epi64(_mm512_sad_epu8(w, _mm512_setzero_si512())) + 7) >> 3);
+        bytes += group_bytes_w8(w);
     }
     return bytes;
 }
@@ -748,7 +759,7 @@ AVX512_FN static int64_t block_widths16_avx512(const delta_wctx *c, int M, int E
 AVX512_INLINE int unpack64_regs(const uint8_t *p, __m512i w8, int n, __m512i z[4]) {
     static const uint16_t iota[32] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15,
                                       16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
-    const int gb = (int)((_mm512_reduce_add_epi64(_mm512_sad_epu8(w8, _mm512_setzero_si512())) + 7) >> 3);
+    const int gb = group_bytes_w8(w8);
     const __m512i lo = _mm512_maskz_loadu_epi8(lowmask64(gb), p), hi = _mm512_maskz_loadu_epi8(lowmask64(gb - 64), p + 64);
     const __m512i wa = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(w8)), wb = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(w8, 1));
     const __m512i io = _mm512_loadu_si512(iota);
@@ -948,8 +959,7 @@ AVX512CD_FN static void hist16_avx512(int M, int E, const uint16_t *shard, const
             _mm_prefetch((const char *)(shard + t + 1024), _MM_HINT_T0); /* hints: never fault */
             _mm_prefetch((const char *)(state + t + 1024), _MM_HINT_T0);
             const __m512i o = _mm512_loadu_si512(state + t), nw = _mm512_loadu_si512(shard + t);
-            const __m512i d = _mm512_sub_epi16(nw, o);
-            const __m512i z = _mm512_xor_si512(_mm512_slli_epi16(d, 1), _mm512_srai_epi16(d, 15));
+            const __m512i z = zigzag16_avx512(nw, o);
             /* bit lengths: 16 - leading zeros of each 16-bit half moved to the top of a 32-bit lane
                with bit 15 set (16 for zero) */
             const __m512i lz_odd = _mm512_lzcnt_epi32(_mm512_or_si512(z, top));
@@ -1070,6 +1080,14 @@ ALWAYS_INLINE int64_t group_bytes_small(const uint8_t *ww, int n, int G) {
     return bytes;
 }
 
+/* Inclusive prefix sums of the 8 qwords of x (three shifted adds). */
+AVX512_INLINE __m512i scan8_epi64(__m512i x) {
+    const __m512i zero = _mm512_setzero_si512();
+    x = _mm512_add_epi64(x, _mm512_alignr_epi64(x, zero, 7));
+    x = _mm512_add_epi64(x, _mm512_alignr_epi64(x, zero, 6));
+    return _mm512_add_epi64(x, _mm512_alignr_epi64(x, zero, 4));
+}
+
 /* The words of a group whose values merge into 8 octets of <= 64 bits each (their widths sum to
  * <= 64 per eight values: all but about one group in 600 on real weights) at dst, exactly
  * ceil(bits / 8) bytes; returns them. As pack64_regs, over one register: octet i starts at bit
@@ -1077,18 +1095,12 @@ ALWAYS_INLINE int64_t group_bytes_small(const uint8_t *ww, int n, int G) {
  * octet are compressed to lane j = word j. At most 512 bits: nothing spills past word 7. */
 AVX512_INLINE int pack_octets64(__m512i oct, __m512i ow, uint8_t *dst) {
     const __m512i zero = _mm512_setzero_si512(), c63 = _mm512_set1_epi64(63);
-    __m512i O = ow, A;
-    O = _mm512_add_epi64(O, _mm512_alignr_epi64(O, zero, 7));
-    O = _mm512_add_epi64(O, _mm512_alignr_epi64(O, zero, 6));
-    O = _mm512_add_epi64(O, _mm512_alignr_epi64(O, zero, 4));
+    __m512i O = scan8_epi64(ow);
     const uint64_t bits = (uint64_t)_mm_extract_epi64(_mm512_extracti32x4_epi32(O, 3), 1);
     O = _mm512_sub_epi64(O, ow); /* exclusive: each octet's first bit */
     const __m512i sh = _mm512_and_si512(O, c63), K = _mm512_srli_epi64(O, 6);
-    A = _mm512_sllv_epi64(oct, sh);
+    const __m512i A = scan8_epi64(_mm512_sllv_epi64(oct, sh));
     const __m512i Bs = _mm512_srlv_epi64(_mm512_srli_epi64(oct, 1), _mm512_sub_epi64(c63, sh));
-    A = _mm512_add_epi64(A, _mm512_alignr_epi64(A, zero, 7));
-    A = _mm512_add_epi64(A, _mm512_alignr_epi64(A, zero, 6));
-    A = _mm512_add_epi64(A, _mm512_alignr_epi64(A, zero, 4));
     const __mmask8 m = _mm512_cmpneq_epi64_mask(K, _mm512_alignr_epi64(_mm512_set1_epi64(-1), K, 1));
     const int nw = __builtin_popcount(m);
     const __m512i xa = _mm512_maskz_compress_epi64(m, A), xb = _mm512_maskz_compress_epi64(m, Bs);
@@ -1112,12 +1124,6 @@ AVX512_INLINE int pack64_regs(const __m512i zm[2], const __m512i wv[2], uint8_t 
     const __m512i zero = _mm512_setzero_si512(), l7 = _mm512_set1_epi64(7);
     const __m512i lo32 = _mm512_set1_epi32(0xFFFF), lo64 = _mm512_set1_epi64(0xFFFFFFFF), c63 = _mm512_set1_epi64(63);
     __m512i Q[2], O[2], A[2], Bs[2], K[2], Oc[2], Ow[2];
-#define CIERA_SCAN8(x)                                              \
-    do {                                                           \
-        x = _mm512_add_epi64(x, _mm512_alignr_epi64(x, zero, 7)); \
-        x = _mm512_add_epi64(x, _mm512_alignr_epi64(x, zero, 6)); \
-        x = _mm512_add_epi64(x, _mm512_alignr_epi64(x, zero, 4)); \
-    } while (0)
     for (int h = 0; h < 2; h++) {
         const __m512i w = wv[h], z = zm[h];
         __m512i wl = _mm512_and_si512(w, lo32);
@@ -1135,8 +1141,8 @@ AVX512_INLINE int pack64_regs(const __m512i zm[2], const __m512i wv[2], uint8_t 
     if (!_mm512_cmpgt_epu64_mask(ow, _mm512_set1_epi64(64)))
         return pack_octets64(_mm512_permutex2var_epi64(Oc[0], evens, Oc[1]), ow, dst);
     __m512i qw0 = O[0], qw1 = O[1];
-    CIERA_SCAN8(O[0]);
-    CIERA_SCAN8(O[1]);
+    O[0] = scan8_epi64(O[0]);
+    O[1] = scan8_epi64(O[1]);
     O[1] = _mm512_add_epi64(O[1], _mm512_permutexvar_epi64(l7, O[0]));
     const uint64_t bits = (uint64_t)_mm_extract_epi64(_mm512_extracti32x4_epi32(O[1], 3), 1);
     O[0] = _mm512_sub_epi64(O[0], qw0); /* exclusive: each quad's first bit */
@@ -1146,9 +1152,8 @@ AVX512_INLINE int pack64_regs(const __m512i zm[2], const __m512i wv[2], uint8_t 
         K[h] = _mm512_srli_epi64(O[h], 6);
         A[h] = _mm512_sllv_epi64(Q[h], sh);
         Bs[h] = _mm512_srlv_epi64(_mm512_srli_epi64(Q[h], 1), _mm512_sub_epi64(c63, sh)); /* spill into K + 1 */
-        CIERA_SCAN8(A[h]);
+        A[h] = scan8_epi64(A[h]);
     }
-#undef CIERA_SCAN8
     A[1] = _mm512_add_epi64(A[1], _mm512_permutexvar_epi64(l7, A[0]));
     /* the last quad of each word: its word differs from the next quad's (quad 15 is always last) */
     const __mmask8 m0 = _mm512_cmpneq_epi64_mask(K[0], _mm512_alignr_epi64(K[1], K[0], 1));
@@ -1231,9 +1236,7 @@ AVX512_FN static int64_t delta_encode_run16_g64(const ciera_delta_layout *l, int
             const __m512i n0 = _mm512_loadu_si512(sp), n1 = _mm512_loadu_si512(sp + 32);
             _mm512_storeu_si512(st, n0);
             _mm512_storeu_si512(st + 32, n1);
-            const __m512i d0 = _mm512_sub_epi16(n0, o0), d1 = _mm512_sub_epi16(n1, o1);
-            const __m512i z0 = _mm512_xor_si512(_mm512_slli_epi16(d0, 1), _mm512_srai_epi16(d0, 15));
-            const __m512i z1 = _mm512_xor_si512(_mm512_slli_epi16(d1, 1), _mm512_srai_epi16(d1, 15));
+            const __m512i z0 = zigzag16_avx512(n0, o0), z1 = zigzag16_avx512(n1, o1);
             _mm512_storeu_si512(z16 + 64 * g, z0); /* for a raw block */
             _mm512_storeu_si512(z16 + 64 * g + 32, z1);
             const __m512i w8 = widths64_avx512(t, exps64_avx512(o0, o1, sm, emask));
@@ -1306,8 +1309,7 @@ AVX512_FN static int64_t delta_encode_block16_avx512(const ciera_delta_layout *l
         _mm_prefetch((const char *)(shard + v0 + j + 1024), _MM_HINT_T0);
         __m512i old = _mm512_maskz_loadu_epi16(k, state + v0 + j), nw = _mm512_maskz_loadu_epi16(k, shard + v0 + j);
         _mm512_mask_storeu_epi16(state + v0 + j, k, nw);
-        __m512i d = _mm512_sub_epi16(nw, old);
-        _mm512_storeu_si512(z16 + j, _mm512_xor_si512(_mm512_slli_epi16(d, 1), _mm512_srai_epi16(d, 15)));
+        _mm512_storeu_si512(z16 + j, zigzag16_avx512(nw, old));
         if (G != 64)
             _mm256_storeu_si256((__m256i *)(ee + j), _mm512_cvtepi16_epi8(_mm512_and_si512(_mm512_srl_epi16(old, sm), emask)));
     }
@@ -1403,7 +1405,7 @@ AVX512_FN static int64_t delta_decode_run16_g64(const ciera_delta_layout *l, int
                 const __m512i w8 = widths64_avx512(t, exps64_avx512(_mm512_loadu_si512(tg + 64 * g),
                                                                   _mm512_loadu_si512(tg + 64 * g + 32), sm, emask));
                 _mm512_storeu_si512(ww + 64 * g, w8);
-                size += (int64_t)(((uint64_t)_mm512_reduce_add_epi64(_mm512_sad_epu8(w8, _mm512_setzero_si512())) + 7) >> 3);
+                size += group_bytes_w8(w8);
             }
         }
         if (rev) {
@@ -1542,6 +1544,13 @@ ALWAYS_INLINE int64_t delta_encode_block(const ciera_delta_layout *l, int W, int
     return size;
 }
 
+/* hist[i] = the sum of entry i over `tables` histograms of n_hist counters, back to back. */
+static void delta_sum_hists(const uint32_t *hists, int tables, int64_t n_hist, int64_t *hist) {
+    for (int64_t i = 0; i < n_hist; i++) hist[i] = 0;
+    for (int t = 0; t < tables; t++)
+        for (int64_t i = 0; i < n_hist; i++) hist[i] += hists[(int64_t)t * n_hist + i];
+}
+
 static void delta_choose_table(const ciera_delta_layout *l, const int64_t *hist, uint8_t *table) {
     const int W = (int)l->total_bits;
     const int64_t E_bits = 8 * (l->index_bytes + l->high_bytes);
@@ -1585,8 +1594,7 @@ int ciera_delta_histogram(const ciera_delta_layout *l, const void *shard, const 
     uint32_t *hists = calloc((size_t)4 * n_hist, sizeof(uint32_t));
     if (!hists) return CIERA_E_NOMEM;
     delta_hist_dispatch(l, shard, state, lo, hi, hists);
-    for (int64_t i = 0; i < n_hist; i++)
-        hist[i] = (int64_t)hists[i] + hists[n_hist + i] + hists[2 * n_hist + i] + hists[3 * n_hist + i];
+    delta_sum_hists(hists, 4, n_hist, hist);
     free(hists);
     return CIERA_OK;
 }
@@ -1660,8 +1668,7 @@ int64_t ciera_delta_encode(const ciera_delta_layout *l, const void *shard, void 
 #pragma omp barrier
 #pragma omp single
         {
-            for (int t = 0; t < 4 * threads; t++)
-                for (int64_t i = 0; i < n_hist; i++) hist[i] += hists[(int64_t)t * n_hist + i];
+            delta_sum_hists(hists, 4 * threads, n_hist, hist);
             delta_choose_table(l, hist, table);
             for (int64_t c = 0; c < ((int64_t)1 << l->exp_bits); c++) table_out[c] = table[c];
             delta_wctx_init(&wc, table, (int)l->exp_bits);
@@ -1792,10 +1799,9 @@ ALWAYS_INLINE int64_t delta_decode_chunk(const ciera_delta_layout *l, int W, int
     /* groups of 64 on AVX-512: the whole blocks [run_lo, run_hi) in one run; the trailing partial
        block (when in this chunk) in the loop below, after the run going forward, before it going
        backward */
-    const int64_t run_lo = b_lo;
     int64_t run_hi = b_lo;
-    (void)run_lo;
 #if CIERA_X86
+    const int64_t run_lo = b_lo;
     if (W == 16 && wc->avx512 && G == 64) run_hi = b_lo > min64(b_hi, n / B) ? b_lo : min64(b_hi, n / B);
     if (run_hi > run_lo && !rev) {
         pos = delta_decode_run16_g64(l, M, E, wc, payload, length, (uint16_t *)target, run_lo, run_hi, pos, 0);
