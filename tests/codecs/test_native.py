@@ -288,6 +288,47 @@ def test_portable_and_avx2_paths_equal_the_reference(name, dtype, threads, monke
 
 @pytest.mark.parametrize("name", NATIVE_CODECS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_any_split_of_the_claims_equals_the_reference(name, dtype, threads, monkeypatch):
+    """Threads claim grains as they get to them (thread 0 from the front, in place; the others from
+    the back, into scratch, until it holds 1.5x an even share). ``CIERA_NATIVE_STALL=k`` starts
+    thread k 2 ms late, so the others take what they may: thread 0 nothing (3 threads), a quarter
+    (2 threads), or everything (a back thread stalled). Every split writes the reference's bytes
+    over the whole buffer at full and partial capacities (the cut inside a back thread's piece),
+    the same state, and decodes to the same bits -- at blocks that write their exponents inline and
+    larger ones (exponent_reuse 8, 256; delta 128, 1024), on shards of many grains."""
+    n = 100_003
+    tr = AdamTrajectory(numel=n, dtype=dtype, lr=3e-4, seed=21)
+    x = tr.step()
+    y = tr.step()
+    blocks = (8, 256) if name == "exponent_reuse" else (128, 1024)
+    for block in blocks:
+        ref = make_codec(name, dtype=dtype, numel=n, backend="torch", block_size=block)
+        nat = make_codec(name, dtype=dtype, numel=n, backend="native", block_size=block)
+        full = ref.clamp_capacity(ref.max_bytes)
+        probe = torch.empty(full, dtype=torch.uint8)
+        ref.encode(shard=y, state=ref.new_state(shard=x), out=probe)
+        needed = int(probe[16:24].view(torch.int64)[0])
+        caps = [full] + [ref.clamp_capacity(ref.fixed_bytes + (needed - ref.fixed_bytes) * f // 8) for f in (3, 7)]
+        for cap in caps:
+            want, want_state = torch.full((cap,), 0x6B, dtype=torch.uint8), ref.new_state(shard=x)
+            ref.encode(shard=y, state=want_state, out=want)
+            for stall in ("", "0", "1", "2"):
+                monkeypatch.setenv("CIERA_NATIVE_STALL", stall)
+                for k in (2, 3):
+                    threads(k)
+                    got, state = torch.full((cap,), 0x6B, dtype=torch.uint8), nat.new_state(shard=x)
+                    nat.encode(shard=y, state=state, out=got)
+                    diff = (got != want).nonzero().flatten()
+                    assert diff.numel() == 0, (block, cap, stall, k, diff[:8].tolist())
+                    assert torch.equal(state, want_state), (block, cap, stall, k)
+                    if cap == full:
+                        target = x.clone()
+                        nat.decode(payload=want, target=target)
+                        assert torch.equal(as_bits(target), as_bits(y)), (block, stall, k)
+
+
+@pytest.mark.parametrize("name", NATIVE_CODECS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_short_shards_and_odd_thread_splits_equal_the_reference(name, dtype, threads, monkeypatch):
     """Shards shorter than one thread's grain (one block, one 64-value tile, one group), and sizes
     whose split over 1..3 threads ends mid-block or mid-tile: reference bytes, state and bits on

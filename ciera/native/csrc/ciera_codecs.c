@@ -6,8 +6,10 @@
  * the same bytes (everything the reference writes up to `needed`, and nothing else) and decodes
  * to the same bits. Section offsets come from the Python layout dataclasses (one source of truth).
  *
- * Threads: every entry point takes `threads`; the work is cut into that many contiguous chunks of
- * whole blocks (chunks never share an output byte), so results do not depend on it.
+ * Threads: every entry point takes `threads`; the work is claimed in grains of whole blocks as
+ * threads get to it (ciera_claims: no thread waits on a fixed share of a slower one), and claims
+ * never share an output byte, so results depend neither on the thread count nor on who claimed
+ * what.
  *
  * Decoders never read or write outside the buffers they are given: a payload whose sections run
  * past its length, or whose counts, widths or indices are impossible, returns a negative error
@@ -26,6 +28,7 @@
 
 #define CIERA_ABI 3
 #define CIERA_MAX_THREADS 256
+#define CIERA_MAX_NUMEL ((int64_t)1 << 35) /* values per shard: claims count units (>= 8 values) in 32 bits */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 /* Hot loops get x86-64-v4 (AVX-512) and x86-64-v3 (AVX2, BMI2: one-uop variable shifts) clones
@@ -111,15 +114,8 @@ static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 /* Bits [0, k) set, for any k >= 0 (BZHI reads only the index's low byte). */
 ALWAYS_INLINE uint64_t lowmask64(int64_t k) { return k >= 64 ? ~0ull : k <= 0 ? 0 : ((1ull << k) - 1); }
 
-/* Chunk k of `threads` over `units` units of `unit` values: [*lo, *hi) in values, clipped to n. */
-static void chunk_of(int k, int threads, int64_t units, int64_t unit, int64_t n, int64_t *lo, int64_t *hi) {
-    int64_t per = (units + threads - 1) / threads;
-    *lo = min64((int64_t)k * per * unit, n);
-    *hi = min64((int64_t)(k + 1) * per * unit, n);
-}
-
-/* Scratch of the calling thread, kept for its next call (OpenMP workers persist): the packed
- * chunks of threads > 0 and their block ends. Grows to the largest chunk seen; never shrinks. */
+/* Scratch of the calling thread, kept for its next call (OpenMP workers persist): what threads
+ * > 0 encode before its place is known. Grows to the largest size asked for; never shrinks. */
 static uint8_t *thread_scratch(size_t nbytes) {
     static _Thread_local uint8_t *buf = NULL;
     static _Thread_local size_t cap = 0;
@@ -129,6 +125,62 @@ static uint8_t *thread_scratch(size_t nbytes) {
         cap = buf ? nbytes : 0;
     }
     return buf;
+}
+
+/* Work shared out as it is done, not in fixed shares: a slower, busier or preempted thread (vCPUs
+ * of one VM often run 20-30% apart) then never leaves the others waiting on its half. Units
+ * [0, units) are claimed in grains from both ends of one shared (front, back) pair, one CAS per
+ * claim: thread 0 from the front, so its grains run on from unit 0 (it writes its output in
+ * place), every other thread from the back. Front and back are 32-bit halves: units < 2^32. */
+typedef struct {
+    uint64_t word; /* front (low half) and back (high half), in units */
+    int64_t grain, threads;
+} ciera_claims;
+
+static void claims_init(ciera_claims *c, int64_t units, int64_t grain, int threads) {
+    c->word = (uint64_t)units << 32;
+    c->grain = grain < 1 ? 1 : grain;
+    c->threads = threads;
+}
+
+/* For the tests: CIERA_NATIVE_STALL=k makes thread k of every claimed pass start 2 ms late, so
+ * the others claim what they may (read per call, as the other CIERA_NATIVE_* are). */
+static int claims_stalled(void) {
+    const char *v = getenv("CIERA_NATIVE_STALL");
+    return v && *v ? atoi(v) : -1;
+}
+
+static void claims_stall(int k, int stalled) {
+#ifdef _OPENMP
+    if (k == stalled)
+        for (const double t0 = omp_get_wtime(); omp_get_wtime() - t0 < 2e-3;) {
+        }
+#else
+    (void)k, (void)stalled;
+#endif
+}
+
+/* Claims [*lo, *hi) from the front or the back; 0 when nothing is left. Every cut is a multiple
+ * of the grain, so with fixed grains (guided 0) a claim is grain lo / grain. Guided claims are an
+ * eighth of what is left per thread, at least a grain (few claims where each costs a set-up,
+ * small ones at the end). One thread claims everything at once. A claim holds at most `limit`
+ * units (a multiple of the grain, >= 1 grain). */
+ALWAYS_INLINE int claim(ciera_claims *c, int back, int guided, int64_t limit, int64_t *lo, int64_t *hi) {
+    uint64_t w = __atomic_load_n(&c->word, __ATOMIC_RELAXED), nw;
+    int64_t f, b;
+    do {
+        f = (int64_t)(w & 0xFFFFFFFFu), b = (int64_t)(w >> 32);
+        if (f >= b) return 0;
+        int64_t size = c->threads == 1 ? b - f : guided ? (b - f) / (8 * c->threads) : c->grain;
+        if (size < c->grain) size = c->grain;
+        if (size > limit) size = limit; /* a multiple of the grain, or the claim may overshoot it */
+        /* cuts fall on multiples of the grain: a grain-aligned claim holds whole grains */
+        if (back) f = (b - size) < f ? f : (b - size + c->grain - 1) / c->grain * c->grain;
+        else b = min64(b, (f + size + c->grain - 1) / c->grain * c->grain);
+        nw = back ? (w & 0xFFFFFFFFu) | ((uint64_t)f << 32) : (w & ~(uint64_t)0xFFFFFFFFu) | (uint64_t)b;
+    } while (!__atomic_compare_exchange_n(&c->word, &w, nw, 1, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED));
+    *lo = f, *hi = b;
+    return 1;
 }
 
 /* CPU features, checked per call (the environment variables let the tests force each path). */
@@ -329,7 +381,7 @@ static int er_supported(const ciera_er_layout *l) {
     int fp16 = l->total_bits == 16 && l->mant_bits == 10 && l->exp_bits == 5 && l->sm_bytes == 1 && l->n_planes == 3;
     int fp32 = l->total_bits == 32 && l->mant_bits == 23 && l->exp_bits == 8 && l->sm_bytes == 3 && l->n_planes == 0;
     return (bf16 || fp16 || fp32) && l->block_size >= 1 && (l->block_size & (l->block_size - 1)) == 0 &&
-           l->numel >= 0;
+           l->numel >= 0 && l->numel < CIERA_MAX_NUMEL;
 }
 
 /* Set bits [blo, bhi) of a bitmap; blo is a multiple of 8 (chunks own whole bitmap bytes). */
@@ -341,72 +393,121 @@ static int64_t popcount_blocks(const uint8_t *p, int64_t blo, int64_t bhi) {
     return c;
 }
 
-/* Returns the bytes needed (>= 0) or a negative error code. */
+/* Values per claim of exponent_reuse's passes (at least a unit). */
+#define ER_GRAIN_VALUES 16384
+
+/* A claim of exponent_reuse's encode by a thread other than 0 (pieces[lo / grain]): its units and
+ * changed blocks, whose exponents (blocks of <= 64 values) wait at src in the thread's scratch. */
+typedef struct {
+    const uint8_t *src;
+    int64_t changed, units;
+} er_piece;
+
+/* Grains a piece spans (at least one: the walk over the pieces always moves on). */
+static int64_t er_piece_grains(const er_piece *p, int64_t grain) {
+    const int64_t g = (p->units + grain - 1) / grain;
+    return g > 0 ? g : 1;
+}
+
+/* Exponents of the changed blocks among [blo, bhi) (blo a multiple of 8), in block order, from
+ * the (updated) state into slots [slot, slots). */
+static void er_exps_from_state(const ciera_er_layout *l, const uint8_t *state, uint8_t *out, int64_t blo,
+                               int64_t bhi, int64_t slot, int64_t slots) {
+    const int64_t n = l->numel, B = l->block_size;
+    const uint8_t *bitmap = out + l->off_bitmap;
+    uint8_t *exps = out + l->off_exps;
+    for (int64_t byte = blo / 8; byte < (bhi + 7) / 8 && slot < slots; byte++) {
+        unsigned bits = bitmap[byte];
+        while (bits && slot < slots) {
+            int64_t b = byte * 8 + __builtin_ctz(bits);
+            bits &= bits - 1;
+            int64_t v0 = b * B, valid = min64(B, n - v0);
+            memcpy(exps + slot * B, state + v0, (size_t)valid);
+            if (valid < B) memset(exps + slot * B + valid, 0, (size_t)(B - valid));
+            slot++;
+        }
+    }
+}
+
+/* Returns the bytes needed (>= 0) or a negative error code. Shared out by claims (ciera_claims):
+ * thread 0 encodes from the front, with blocks of <= 64 values writing the changed blocks'
+ * exponents straight into their slots while the tile is hot; the others encode from the back,
+ * those exponents into scratch, copied to their slots once every claim's count is known. Larger
+ * blocks copy the exponents from the state afterwards, by the bitmap. */
 int64_t ciera_er_encode(const ciera_er_layout *l, const void *shard, uint8_t *state, uint8_t *out,
                         int64_t capacity, int threads) {
     if (!er_supported(l) || capacity < l->off_exps) return CIERA_E_ARGS;
     const int64_t n = l->numel, B = l->block_size, unit = er_unit(l);
-    const int64_t nb = (n + B - 1) / B, slots = er_slots(l, capacity);
+    const int64_t slots = er_slots(l, capacity), units = (n + unit - 1) / unit;
+    if (n == 0) return l->off_exps;
+    const int64_t G = ER_GRAIN_VALUES / unit > 0 ? ER_GRAIN_VALUES / unit : 1, ng = (units + G - 1) / G;
     threads = clamp_threads(threads);
-    int64_t units = (n + unit - 1) / unit;
-    if (threads > units) threads = units > 0 ? (int)units : 1;
-    int64_t changed[CIERA_MAX_THREADS + 1];
-    if (n == 0) {
-        return l->off_exps;
-    }
-    int nomem = 0;
-    const int fast = er_fast(l);
+    if (threads > units) threads = (int)units;
+    er_piece *pieces = calloc((size_t)ng, sizeof(er_piece));
+    if (!pieces) return CIERA_E_NOMEM;
+    /* a scratch holds up to 1.5x an even share of the units (then its thread stops claiming) */
+    const int64_t share = min64(units, ((3 * units + 2 * threads - 1) / (2 * threads) + G - 1) / G * G);
+    const int fast = er_fast(l), inline_exps = B <= 64, stalled = claims_stalled();
+    int64_t front_changed = 0, front_units = 0;
+    ciera_claims cl;
+    claims_init(&cl, units, G, threads);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        int k = CIERA_THREAD_ID();
+        const int k = CIERA_THREAD_ID();
         int64_t lo, hi;
-        chunk_of(k, threads, units, unit, n, &lo, &hi);
-        int64_t blo = lo / B, bhi = (hi + B - 1) / B;
-        /* Blocks of <= 64 values: the exponents of changed blocks are written while the tile is
-           hot, by the first chunk straight into their slots, by the others into scratch that is
-           copied to its slots once every earlier chunk's count is known. */
-        uint8_t *scratch = NULL, *dst = NULL;
-        int64_t room = 0;
-        if (B <= 64 && k == 0) {
-            dst = out + l->off_exps;
-            room = slots;
-        } else if (B <= 64 && hi > lo) {
-            scratch = thread_scratch((size_t)((bhi - blo) * B));
-            dst = scratch;
-            room = scratch ? bhi - blo : 0;
-            if (!scratch) {
-#pragma omp atomic write
-                nomem = 1;
+        const uint8_t *bitmap = out + l->off_bitmap;
+        claims_stall(k, stalled);
+        if (k == 0) {
+            int64_t base = 0;
+            while (claim(&cl, 0, 1, INT64_MAX, &lo, &hi)) {
+                const int64_t v_lo = lo * unit, v_hi = min64(hi * unit, n);
+                uint8_t *dst = inline_exps ? out + l->off_exps + min64(base, slots) * B : NULL;
+                const int64_t c = er_encode_chunk(l, shard, state, out, v_lo, v_hi, dst,
+                                                  inline_exps ? (slots - base > 0 ? slots - base : 0) : 0, fast);
+                base += inline_exps ? c : popcount_blocks(bitmap, v_lo / B, (v_hi + B - 1) / B);
+                front_units = hi;
+            }
+            front_changed = base;
+        } else {
+            uint8_t *scratch = inline_exps ? thread_scratch((size_t)(share * unit)) : NULL;
+            int64_t used_units = 0, used = 0; /* scratch bytes */
+            while ((scratch || !inline_exps) && used_units + G <= share &&
+                   claim(&cl, 1, 1, share - used_units, &lo, &hi)) {
+                const int64_t v_lo = lo * unit, v_hi = min64(hi * unit, n);
+                uint8_t *dst = inline_exps ? scratch + used : NULL;
+                const int64_t c = er_encode_chunk(l, shard, state, out, v_lo, v_hi, dst,
+                                                  inline_exps ? (share * unit - used) / B : 0, fast);
+                const int64_t cnt = inline_exps ? c : popcount_blocks(bitmap, v_lo / B, (v_hi + B - 1) / B);
+                pieces[lo / G] = (er_piece){.src = dst, .changed = cnt, .units = hi - lo};
+                used += inline_exps ? cnt * B : 0;
+                used_units += hi - lo;
             }
         }
-        int64_t c = hi > lo ? er_encode_chunk(l, shard, state, out, lo, hi, dst, room, fast) : 0;
-        changed[k + 1] = B <= 64 ? c : (hi > lo ? popcount_blocks(out + l->off_bitmap, blo, bhi) : 0);
 #pragma omp barrier
-        int64_t base = 0;
-        for (int j = 0; j < k; j++) base += changed[j + 1];
-        uint8_t *exps = out + l->off_exps;
-        if (B <= 64) {
-            int64_t fit = min64(changed[k + 1], slots - base);
-            if (scratch && fit > 0) memcpy(exps + base * B, scratch, (size_t)(fit * B));
-        } else { /* exponents of changed blocks, in block order, while they fit in the slots */
-            const uint8_t *bitmap = out + l->off_bitmap;
-            int64_t slot = base;
-            for (int64_t byte = blo / 8; hi > lo && byte < min64((bhi + 7) / 8, (nb + 7) / 8) && slot < slots; byte++) {
-                unsigned bits = bitmap[byte];
-                while (bits && slot < slots) {
-                    int64_t b = byte * 8 + __builtin_ctz(bits);
-                    bits &= bits - 1;
-                    int64_t v0 = b * B, valid = min64(B, n - v0);
-                    memcpy(exps + slot * B, state + v0, (size_t)valid);
-                    if (valid < B) memset(exps + slot * B + valid, 0, (size_t)(B - valid));
-                    slot++;
-                }
+        const int64_t fg = (front_units + G - 1) / G;
+        if (inline_exps) { /* the back pieces' exponents to their slots, in even slot ranges per thread */
+            int64_t total = 0;
+            for (int64_t g = fg; g < ng; g += er_piece_grains(&pieces[g], G)) total += pieces[g].changed;
+            const int64_t s0 = front_changed, s1 = min64(front_changed + total, slots > s0 ? slots : s0);
+            const int64_t c_lo = s0 + (s1 - s0) * k / threads, c_hi = s0 + (s1 - s0) * (k + 1) / threads;
+            int64_t slot = s0;
+            for (int64_t g = fg; g < ng && slot < c_hi; slot += pieces[g].changed, g += er_piece_grains(&pieces[g], G)) {
+                const int64_t a = slot > c_lo ? slot : c_lo, b = min64(slot + pieces[g].changed, c_hi);
+                if (a < b) memcpy(out + l->off_exps + a * B, pieces[g].src + (a - slot) * B, (size_t)((b - a) * B));
             }
+        } else { /* the front range by thread 0, back pieces round robin */
+#define ER_BLOCKS_TO(u) ((min64((u) * unit, n) + B - 1) / B) /* blocks of units [0, u) */
+            if (k == 0) er_exps_from_state(l, state, out, 0, ER_BLOCKS_TO(front_units), 0, slots);
+            int64_t slot = front_changed, i = 0;
+            for (int64_t g = fg; g < ng && slot < slots; slot += pieces[g].changed, g += er_piece_grains(&pieces[g], G), i++)
+                if (i % threads == k)
+                    er_exps_from_state(l, state, out, g * G * unit / B, ER_BLOCKS_TO(g * G + pieces[g].units), slot, slots);
+#undef ER_BLOCKS_TO
         }
     }
-    if (nomem) return CIERA_E_NOMEM;
-    int64_t total = 0;
-    for (int j = 0; j < threads; j++) total += changed[j + 1];
+    int64_t total = front_changed;
+    for (int64_t g = (front_units + G - 1) / G; g < ng; g += er_piece_grains(&pieces[g], G)) total += pieces[g].changed;
+    free(pieces);
     return l->off_exps + total * B;
 }
 
@@ -519,32 +620,39 @@ static void er_decode_chunk(const ciera_er_layout *l, const uint8_t *payload, vo
     if (lo < hi) er_decode_range_dispatch(l, payload, target, lo, hi, slot);
 }
 
+/* Shared out by claims (ciera_claims) of whole grains; grain g's first slot comes from the
+ * bitmap's counts before it (one serial popcount pass over the bitmap, 1/64 of the values). */
 int ciera_er_decode(const ciera_er_layout *l, const uint8_t *payload, int64_t length, void *target, int threads) {
     if (!er_supported(l)) return CIERA_E_ARGS;
     const int64_t n = l->numel, B = l->block_size, unit = er_unit(l);
     if (length < l->off_exps) return CIERA_E_TRUNCATED;
     if (n == 0) return CIERA_OK;
+    const int64_t units = (n + unit - 1) / unit;
+    const int64_t G = ER_GRAIN_VALUES / unit > 0 ? ER_GRAIN_VALUES / unit : 1, ng = (units + G - 1) / G;
     threads = clamp_threads(threads);
-    int64_t units = (n + unit - 1) / unit;
-    if (threads > units) threads = (int)units;
+    if (threads > ng) threads = (int)ng;
     const uint8_t *bitmap = payload + l->off_bitmap;
-    int64_t base[CIERA_MAX_THREADS + 1];
+    int64_t *base = malloc((size_t)(ng + 1) * sizeof(int64_t)); /* grain g's first slot */
+    if (!base) return CIERA_E_NOMEM;
     base[0] = 0;
-    for (int k = 0; k < threads; k++) {
-        int64_t lo, hi;
-        chunk_of(k, threads, units, unit, n, &lo, &hi);
-        int64_t blo = lo / B, bhi = (hi + B - 1) / B;
-        base[k + 1] = base[k] + (hi > lo ? popcount_blocks(bitmap, blo, bhi) : 0);
+    for (int64_t g = 0; g < ng; g++)
+        base[g + 1] = base[g] + popcount_blocks(bitmap, g * G * unit / B, (min64((g + 1) * G * unit, n) + B - 1) / B);
+    if (base[ng] > er_slots(l, length)) {
+        free(base);
+        return CIERA_E_TOO_MANY_BLOCKS;
     }
-    if (base[threads] > er_slots(l, length)) return CIERA_E_TOO_MANY_BLOCKS;
-    const int fast = er_fast(l);
+    const int fast = er_fast(l), stalled = claims_stalled();
+    ciera_claims cl;
+    claims_init(&cl, units, G, threads);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        int k = CIERA_THREAD_ID();
+        const int k = CIERA_THREAD_ID();
         int64_t lo, hi;
-        chunk_of(k, threads, units, unit, n, &lo, &hi);
-        if (hi > lo) er_decode_chunk(l, payload, target, lo, hi, base[k], fast);
+        claims_stall(k, stalled);
+        while (claim(&cl, k > 0, 1, INT64_MAX, &lo, &hi))
+            er_decode_chunk(l, payload, target, lo * unit, min64(hi * unit, n), base[lo / G], fast);
     }
+    free(base);
     return CIERA_OK;
 }
 
@@ -563,7 +671,7 @@ static int delta_supported(const ciera_delta_layout *l) {
     int fmt = (l->total_bits == 16 && ((l->mant_bits == 7 && l->exp_bits == 8) || (l->mant_bits == 10 && l->exp_bits == 5))) ||
               (l->total_bits == 32 && l->mant_bits == 23 && l->exp_bits == 8);
     int64_t B = l->block_size;
-    return fmt && B >= 8 && B <= DELTA_MAX_BLOCK && (B & (B - 1)) == 0 && l->numel >= 0 &&
+    return fmt && B >= 8 && B <= DELTA_MAX_BLOCK && (B & (B - 1)) == 0 && l->numel >= 0 && l->numel < CIERA_MAX_NUMEL &&
            l->group_size == (B < 64 ? B : 64) && l->count_bytes == (B < 255 ? 1 : 2) &&
            l->index_bytes == (B <= 256 ? 1 : 2) && l->high_bytes == l->total_bits / 8;
 }
@@ -909,25 +1017,10 @@ AVX512CD_FN static void hist_plane_add(__m512i v, int j, int g, int e0, uint32_t
     }
 }
 
-/* delta_hist_range for 16-bit values on AVX-512 (+CD, VBMI2): the same counts. A scalar increment
- * per value is the floor of the portable loop (about one per cycle). Weights span few exponents,
- * mostly neighbours, and most values move by few ulps, so the values whose previous exponent lies
- * in the window of HIST_SLOTS consecutive exponents holding most of a 1024-value sample, and whose
- * bit length is at most 7, are counted in registers: bin slot * 8 + length (64 bins) becomes one
- * set bit in a 16-bit lane of one of four groups of 16 bins, and each group's bits are summed
- * vertically by carry-save adders into bit planes (a binary counter of planes: about two
- * ternary-logic operations per 32 values and group). Only the other values are incremented one
- * by one, from a compressed buffer, with no branch per step. Which window is chosen changes the
- * speed, never the counts. */
-AVX512CD_FN static void hist16_avx512(int M, int E, const uint16_t *shard, const uint16_t *state, int64_t lo,
-                                      int64_t hi, uint32_t *hist) {
-    const int64_t nh = ((int64_t)1 << E) * 17;
+/* The window's first exponent for values [lo, hi) (at least 4096 of them): the HIST_SLOTS
+ * consecutive previous exponents holding the most of 1024 values spread over the range. */
+static int hist_window(int M, int E, const uint16_t *state, int64_t lo, int64_t hi) {
     const int n_exp = 1 << E;
-    if (hi - lo < 4096) {
-        delta_hist_range(16, M, E, shard, state, lo, hi, hist);
-        return;
-    }
-    /* the window [e0, e0 + HIST_SLOTS): the most values among 1024 spread over the range */
     uint32_t ecount[256];
     memset(ecount, 0, sizeof ecount);
     for (int64_t i = 0; i < 1024; i++) ecount[(state[lo + (hi - lo) * i / 1024] >> M) & (uint32_t)(n_exp - 1)]++;
@@ -936,6 +1029,28 @@ AVX512CD_FN static void hist16_avx512(int M, int E, const uint16_t *shard, const
     for (int e = 0; e < n_exp; e++) {
         run += ecount[e] - (e >= HIST_SLOTS ? ecount[e - HIST_SLOTS] : 0);
         if (e >= HIST_SLOTS - 1 && run > best) best = run, e0 = e - (HIST_SLOTS - 1);
+    }
+    return e0;
+}
+
+/* delta_hist_range for 16-bit values on AVX-512 (+CD, VBMI2): the same counts. A scalar increment
+ * per value is the floor of the portable loop (about one per cycle). Weights span few exponents,
+ * mostly neighbours, and most values move by few ulps, so the values whose previous exponent lies
+ * in the window of HIST_SLOTS consecutive exponents holding most of a 1024-value sample
+ * (hist_window: chosen once per pass, as its sampling costs ~1024 cache misses), and whose
+ * bit length is at most 7, are counted in registers: bin slot * 8 + length (64 bins) becomes one
+ * set bit in a 16-bit lane of one of four groups of 16 bins, and each group's bits are summed
+ * vertically by carry-save adders into bit planes (a binary counter of planes: about two
+ * ternary-logic operations per 32 values and group). Only the other values are incremented one
+ * by one, from a compressed buffer, with no branch per step. Which window is chosen changes the
+ * speed, never the counts. */
+AVX512CD_FN static void hist16_avx512(int M, int E, const uint16_t *shard, const uint16_t *state, int64_t lo,
+                                      int64_t hi, int e0, uint32_t *hist) {
+    const int64_t nh = ((int64_t)1 << E) * 17;
+    const int n_exp = 1 << E;
+    if (hi - lo < 4096) {
+        delta_hist_range(16, M, E, shard, state, lo, hi, hist);
+        return;
     }
     /* group g's counter: planes 0 and 1 in p0[g], p1[g]; plane j >= 2 in planes[j][g], and a
        pending carry of weight 2^j in pend[j][g] while bit j - 2 of `it` is set */
@@ -1572,12 +1687,25 @@ static void delta_choose_table(const ciera_delta_layout *l, const int64_t *hist,
     }
 }
 
-HOT static void delta_hist_dispatch(const ciera_delta_layout *l, const void *shard, const void *state, int64_t lo,
-                                       int64_t hi, uint32_t *hist) {
+/* The window hist16_avx512 is given for a pass over values [lo, hi) (-1: the pass has no window). */
+static int delta_hist_window(const ciera_delta_layout *l, const void *state, int64_t lo, int64_t hi) {
 #if CIERA_X86
-    if (l->total_bits == 16 && cpu_avx512cd())
-        hist16_avx512((int)l->mant_bits, (int)l->exp_bits, shard, state, lo, hi, hist);
+    if (l->total_bits == 16 && hi - lo >= 4096 && cpu_avx512cd())
+        return hist_window((int)l->mant_bits, (int)l->exp_bits, state, lo, hi);
+#endif
+    (void)l, (void)state, (void)lo, (void)hi;
+    return -1;
+}
+
+/* Counts values [lo, hi) into hist (adds); e0: delta_hist_window's for the pass. */
+HOT static void delta_hist_dispatch(const ciera_delta_layout *l, const void *shard, const void *state, int64_t lo,
+                                    int64_t hi, int e0, uint32_t *hist) {
+#if CIERA_X86
+    if (l->total_bits == 16 && e0 >= 0 && cpu_avx512cd())
+        hist16_avx512((int)l->mant_bits, (int)l->exp_bits, shard, state, lo, hi, e0, hist);
     else
+#else
+    (void)e0;
 #endif
     if (l->total_bits == 16 && l->mant_bits == 7) delta_hist_range(16, 7, 8, shard, state, lo, hi, hist);
     else if (l->total_bits == 16) delta_hist_range(16, 10, 5, shard, state, lo, hi, hist);
@@ -1593,7 +1721,7 @@ int ciera_delta_histogram(const ciera_delta_layout *l, const void *shard, const 
     const int64_t n_hist = ((int64_t)1 << l->exp_bits) * (l->total_bits + 1);
     uint32_t *hists = calloc((size_t)4 * n_hist, sizeof(uint32_t));
     if (!hists) return CIERA_E_NOMEM;
-    delta_hist_dispatch(l, shard, state, lo, hi, hists);
+    delta_hist_dispatch(l, shard, state, lo, hi, delta_hist_window(l, state, lo, hi), hists);
     delta_sum_hists(hists, 4, n_hist, hist);
     free(hists);
     return CIERA_OK;
@@ -1635,36 +1763,64 @@ HOT static int64_t delta_encode_blocks(const ciera_delta_layout *l, const delta_
     return pos;
 }
 
+/* Blocks per claim of delta's packing, and 128-value units per claim (at least) of its histogram. */
+#define DELTA_PACK_GRAIN 32
+#define DELTA_HIST_GRAIN 256
+
+/* A claim of blocks packed by a thread other than 0, waiting in that thread's scratch. */
+typedef struct {
+    const uint8_t *src;   /* its bytes, in the owner's scratch */
+    int64_t bytes;        /* their number */
+    const int64_t *ends;  /* its blocks' ends from src (in the owner's scratch) */
+    int64_t blocks;       /* its blocks, from block lo (pieces[lo / grain]) */
+} delta_piece;
+
+/* Grains a piece spans (at least one: the walk over the pieces always moves on). */
+static int64_t piece_grains(const delta_piece *p, int64_t grain) {
+    const int64_t g = (p->blocks + grain - 1) / grain;
+    return g > 0 ? g : 1;
+}
+
+/* Two passes, each shared out by claims (ciera_claims): the histogram (guided claims into per-thread
+ * counters, summed), then, once the table is chosen, the packing in grains of blocks. Thread 0
+ * packs its grains from the front straight into out; every other thread packs its grains (from
+ * the back) into scratch, and copies them once every grain's size is known. A thread whose
+ * scratch runs short claims no more (thread 0 takes the rest). */
 int64_t ciera_delta_encode(const ciera_delta_layout *l, const void *shard, void *state, uint8_t *out,
                            int64_t capacity, int threads) {
     if (!delta_supported(l) || capacity < l->off_data) return CIERA_E_ARGS;
-    const int64_t n = l->numel, B = l->block_size, S = l->high_bytes;
+    const int64_t n = l->numel, B = l->block_size, S = l->high_bytes, G = DELTA_PACK_GRAIN;
     const int W = (int)l->total_bits;
     if (n == 0) return l->off_data;
-    const int64_t nb = (n + B - 1) / B;
+    const int64_t nb = (n + B - 1) / B, ng = (nb + G - 1) / G, units = (n + 127) / 128;
     const int64_t n_hist = ((int64_t)1 << l->exp_bits) * (W + 1);
     threads = clamp_threads(threads);
     if (threads > nb) threads = (int)nb;
     uint32_t *hists = calloc((size_t)threads * 4 * n_hist, sizeof(uint32_t)); /* 4 per thread */
     int64_t *hist = calloc((size_t)n_hist, sizeof(int64_t));
-    if (!hists || !hist) {
-        free(hists); free(hist);
+    delta_piece *pieces = calloc((size_t)ng, sizeof(delta_piece));
+    if (!hists || !hist || !pieces) {
+        free(hists); free(hist); free(pieces);
         return CIERA_E_NOMEM;
     }
+    /* a scratch holds up to 1.5x an even share of the blocks (then its thread stops claiming) */
+    const int64_t share = min64(nb, ((3 * nb + 2 * threads - 1) / (2 * threads) + G - 1) / G * G);
     uint8_t table[256];
     delta_wctx wc;
-    int64_t totals[CIERA_MAX_THREADS + 1];
-    int nomem = 0;
+    ciera_claims hc, pc;
+    const int stalled = claims_stalled();
+    claims_init(&hc, units, DELTA_HIST_GRAIN, threads);
+    claims_init(&pc, nb, G, threads);
+    int64_t front_bytes = 0, front_grains = 0;
     uint8_t *table_out = out + l->off_table, *counts = out + l->off_counts;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        int k = CIERA_THREAD_ID();
+        const int k = CIERA_THREAD_ID();
+        const int e0 = delta_hist_window(l, state, 0, n); /* every thread the same */
         int64_t lo, hi;
-        chunk_of(k, threads, nb, B, n, &lo, &hi);
-        /* An empty chunk (more threads than chunks of blocks) owns no block: lo = hi = n would
-           otherwise name the trailing partial block a second time. */
-        int64_t b_lo = lo / B, b_hi = hi > lo ? (hi + B - 1) / B : b_lo;
-        delta_hist_dispatch(l, shard, state, lo, hi, hists + (int64_t)k * 4 * n_hist);
+        claims_stall(k, stalled);
+        while (claim(&hc, k > 0, 1, INT64_MAX, &lo, &hi))
+            delta_hist_dispatch(l, shard, state, lo * 128, min64(hi * 128, n), e0, hists + (int64_t)k * 4 * n_hist);
 #pragma omp barrier
 #pragma omp single
         {
@@ -1673,38 +1829,54 @@ int64_t ciera_delta_encode(const ciera_delta_layout *l, const void *shard, void 
             for (int64_t c = 0; c < ((int64_t)1 << l->exp_bits); c++) table_out[c] = table[c];
             delta_wctx_init(&wc, table, (int)l->exp_bits);
         } /* implicit barrier: the table is ready, every state value has been read */
-        int64_t nblk = b_hi - b_lo;
-        uint8_t *scratch = NULL, *dst = NULL;
-        int64_t *ends = NULL;
-        if (k == 0) { /* the first chunk starts at off_data: straight into out */
-            totals[1] = delta_encode_blocks(l, &wc, shard, state, counts, b_lo, b_hi, out + l->off_data,
-                                            capacity - l->off_data, NULL);
-        } else { /* the others into scratch, copied once every earlier chunk's size is known */
-            scratch = thread_scratch((size_t)(nblk * 8 + (hi - lo) * S + 64));
-            ends = (int64_t *)scratch;
-            dst = scratch + nblk * 8;
-            if (!scratch) {
-#pragma omp atomic write
-                nomem = 1;
-                totals[k + 1] = 0;
-            } else {
-                totals[k + 1] = delta_encode_blocks(l, &wc, shard, state, counts, b_lo, b_hi, dst,
-                                                    (hi - lo) * S + 64, ends);
+        uint8_t *scratch = NULL;
+        claims_stall(k, stalled);
+        if (k == 0) { /* grains [0, front_grains), back to back from off_data */
+            int64_t pos = 0;
+            while (claim(&pc, 0, 1, INT64_MAX, &lo, &hi)) {
+                const int64_t room = capacity - l->off_data - pos;
+                pos += delta_encode_blocks(l, &wc, shard, state, counts, lo, hi, out + l->off_data + pos,
+                                           room < 0 ? 0 : room, NULL);
+                front_grains = (hi + G - 1) / G;
+            }
+            front_bytes = pos;
+        } else {
+            const int64_t room = share * B * S + 64;
+            scratch = thread_scratch((size_t)(share * 8 + room));
+            int64_t *ends = (int64_t *)scratch, used = 0, used_blocks = 0;
+            uint8_t *data = scratch + share * 8;
+            while (scratch && used_blocks + G <= share && claim(&pc, 1, 1, share - used_blocks, &lo, &hi)) {
+                const int64_t bytes = delta_encode_blocks(l, &wc, shard, state, counts, lo, hi, data + used,
+                                                          room - used, ends + used_blocks);
+                pieces[lo / G] = (delta_piece){.src = data + used, .bytes = bytes, .ends = ends + used_blocks,
+                                               .blocks = hi - lo};
+                used += bytes;
+                used_blocks += hi - lo;
             }
         }
 #pragma omp barrier
-        if (k > 0 && scratch) {
-            int64_t off = l->off_data;
-            for (int j = 0; j < k; j++) off += totals[j + 1];
-            int64_t keep = 0; /* blocks fit as a prefix: copy those that end inside the capacity */
-            for (int64_t i = 0; i < nblk && off + ends[i] <= capacity; i++) keep = ends[i];
-            if (keep) memcpy(out + off, dst, (size_t)keep);
+        /* the back pieces to their place (the blocks that end inside the capacity), in byte
+           ranges of even size, one per thread, whoever packed them */
+        int64_t total = 0;
+        for (int64_t g = front_grains; g < ng; g += piece_grains(&pieces[g], G)) total += pieces[g].bytes;
+        const int64_t base = l->off_data + front_bytes, end = base + min64(total, capacity - base < 0 ? 0 : capacity - base);
+        const int64_t c_lo = base + (end - base) * k / threads, c_hi = base + (end - base) * (k + 1) / threads;
+        int64_t off = base;
+        for (int64_t g = front_grains; g < ng && off < c_hi; off += pieces[g].bytes, g += piece_grains(&pieces[g], G)) {
+            const delta_piece *pc_ = &pieces[g];
+            int64_t keep = pc_->bytes;
+            if (off + keep > capacity) {
+                keep = 0;
+                for (int64_t i = 0; i < pc_->blocks && off + pc_->ends[i] <= capacity; i++) keep = pc_->ends[i];
+            }
+            const int64_t a = off > c_lo ? off : c_lo, b = min64(off + keep, c_hi);
+            if (a < b) memcpy(out + a, pc_->src + (a - off), (size_t)(b - a));
         }
     }
-    int64_t needed = l->off_data;
-    for (int j = 0; j < threads; j++) needed += totals[j + 1];
-    free(hists); free(hist);
-    return nomem ? CIERA_E_NOMEM : needed;
+    int64_t needed = l->off_data + front_bytes;
+    for (int64_t g = front_grains; g < ng; g += piece_grains(&pieces[g], G)) needed += pieces[g].bytes;
+    free(hists); free(hist); free(pieces);
+    return needed;
 }
 
 /* Widths of block b's values from the previous values into ww (DELTA_MAX_BLOCK + 128 bytes; zero
@@ -1952,32 +2124,20 @@ int ciera_delta_decode(const ciera_delta_layout *l, const uint8_t *payload, int6
     }
     int64_t rc[CIERA_MAX_THREADS]; /* a forward chunk's end, the backward chunk's start, or an error */
     if (rev && threads == 2) {
-        /* Two threads meet wherever they get to: thread 0 claims grains of blocks from the front,
-           thread 1 from the back (running backwards from data_end), one CAS on a shared
-           (front, back) pair per grain. Each thread's grains are consecutive, so its position runs
-           on; speed differences (a slower backward stream, a late or preempted thread) never leave
-           one waiting on the other's fixed half. */
-        const int64_t grain = (16 * 128 + B - 1) / B, ng = (nb + grain - 1) / grain;
-        uint64_t claims = (uint64_t)ng << 32; /* front grain in the low half, back bound in the high */
+        /* Two threads meet wherever they get to (ciera_claims): thread 0 claims grains of blocks
+           from the front, thread 1 from the back (running backwards from data_end). Each
+           thread's grains are consecutive, so its position runs on. */
+        ciera_claims cl;
+        claims_init(&cl, nb, (16 * 128 + B - 1) / B, 2);
+        const int stalled = claims_stalled();
         rc[1] = data_end; /* stays so if the runtime grants one thread: thread 0 then claims every grain */
 #pragma omp parallel num_threads(2)
         {
             const int k = CIERA_THREAD_ID();
-            int64_t pos = k == 0 ? l->off_data : data_end;
-            for (;;) {
-                uint64_t w = __atomic_load_n(&claims, __ATOMIC_RELAXED), nw;
-                int64_t g;
-                do {
-                    const uint64_t f = w & 0xFFFFFFFFu, b = w >> 32;
-                    if (f >= b) goto claimed_all;
-                    g = (int64_t)(k == 0 ? f : b - 1);
-                    nw = k == 0 ? w + 1 : w - ((uint64_t)1 << 32);
-                } while (!__atomic_compare_exchange_n(&claims, &w, nw, 1, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED));
-                pos = delta_decode_chunk_dispatch(l, &wc, payload, length, target, g * grain,
-                                                  min64((g + 1) * grain, nb), pos, k);
-                if (pos < 0) break;
-            }
-        claimed_all:
+            int64_t pos = k == 0 ? l->off_data : data_end, lo, hi;
+            claims_stall(k, stalled);
+            while (pos >= 0 && claim(&cl, k, 0, INT64_MAX, &lo, &hi))
+                pos = delta_decode_chunk_dispatch(l, &wc, payload, length, target, lo, hi, pos, k);
             rc[k] = pos;
         }
         if (rc[0] < 0) return (int)rc[0];
