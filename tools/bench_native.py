@@ -6,7 +6,9 @@ and the peers). This times only the C library's entry points on the same kind of
 trajectory, cast to bf16 after every step): ``ciera_encode`` / ``ciera_decode`` (header written
 and checked in C, as ``Codec`` calls them) and delta's ``ciera_delta_histogram`` (its first pass),
 each the best of ``--repeats`` calls after an untimed reset of the state or target, beside a
-``memmove`` of the shard's bytes in the same loop. Every decode is checked bit for bit.
+``memmove`` of the shard's bytes in the same loop, and torch's ``copy_`` of them at each thread
+count (how far the machine's memory lets a copy scale: the codecs' own 2-thread speed-up is
+bounded by it where they run at memory speed). Every decode is checked bit for bit.
 
 For a before/after of a C change, ``--library`` times another build of the library (for example
 an older commit's, built with ``python setup.py build_ext --inplace`` in a worktree); entry points
@@ -119,6 +121,12 @@ def main(argv=None) -> int:
     print("| codec | call | threads | ms | GB/s of values | x memmove |")
     print("|---|---|---|---|---|---|")
     print(f"| - | memmove | 1 | {copy * 1e3:.3f} | {nbytes / copy / 1e9:.2f} | 1.000 |")
+    before = torch.get_num_threads()
+    for k in a.threads:  # what the machine's memory gives a copy at each thread count, for the codecs' speed-ups
+        torch.set_num_threads(k)
+        sec = best_of(lambda: dst.copy_(src), lambda: None, a.repeats)
+        print(f"| - | copy_ (torch) | {k} | {sec * 1e3:.3f} | {nbytes / sec / 1e9:.2f} | {copy / sec:.3f} |")
+    torch.set_num_threads(before)
     for name in a.codecs:
         for k in a.threads:
             for call, threads, sec in bench(lib=lib, name=name, prev=prev, new=new, threads=k, repeats=a.repeats):
