@@ -19,8 +19,12 @@ Why C11 + OpenMP behind ctypes, built by ``setup.py``:
   install still succeeds and the codecs run their references.
 * numba would add a large JIT dependency and first-call compile pauses on every rank;
   ``torch.compile``'s C++ backend cannot express the sequential bit packing without graph breaks.
-* OpenMP threads follow ``torch.get_num_threads()``; each call cuts its shard into that many
-  chunks of whole blocks, so the bytes never depend on the thread count.
+* OpenMP threads follow ``torch.get_num_threads()``. Threads claim grains of whole blocks as they
+  get to them (one CAS per claim; thread 0 from the front, writing in place, the others from the
+  back into scratch that is copied into place once every claim's size is known), so no thread
+  waits on a fixed share of a slower one (a VM's two vCPUs drift 20-30% apart), and the bytes
+  depend neither on the thread count nor on who claimed what (``CIERA_NATIVE_STALL=k`` delays
+  thread k, for the tests).
 * One portable build, no ``-march=native``: the hot loops also get x86-64-v4 (AVX-512) and
   x86-64-v3 (AVX2 + BMI2) clones, the widest the CPU runs chosen at load time (GCC
   ``target_clones``; v4 ran 15-30% faster than v3 on one thread on the Ice Lake dev VM), and
