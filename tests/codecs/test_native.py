@@ -286,6 +286,27 @@ def test_portable_and_avx2_paths_equal_the_reference(name, dtype, threads, monke
                                         threads=threads, monkeypatch=monkeypatch)
 
 
+def _needed_and_capacities(ref, x, y, fractions):
+    """The reference's full capacity, its needed bytes for the step x -> y, and the capacities at
+    ``fractions`` (eighths) of the way from its fixed part to needed (sorted, distinct)."""
+    full = ref.clamp_capacity(ref.max_bytes)
+    probe = torch.empty(full, dtype=torch.uint8)
+    ref.encode(shard=y, state=ref.new_state(shard=x), out=probe)
+    needed = int(probe[16:24].view(torch.int64)[0])
+    caps = sorted({ref.clamp_capacity(ref.fixed_bytes + (needed - ref.fixed_bytes) * f // 8) for f in fractions})
+    return full, needed, caps
+
+
+def _assert_encode_equals(nat, x, y, cap, fill, want, want_state, ctx):
+    """The native encode of x -> y into ``cap`` bytes pre-filled with ``fill`` writes ``want``
+    over the whole buffer and leaves ``want_state``."""
+    got, state = torch.full((cap,), fill, dtype=torch.uint8), nat.new_state(shard=x)
+    nat.encode(shard=y, state=state, out=got)
+    diff = (got != want).nonzero().flatten()
+    assert diff.numel() == 0, (*ctx, diff[:8].tolist())
+    assert torch.equal(state, want_state), ctx
+
+
 @pytest.mark.parametrize("name", NATIVE_CODECS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_any_split_of_the_claims_equals_the_reference(name, dtype, threads, monkeypatch):
@@ -304,23 +325,15 @@ def test_any_split_of_the_claims_equals_the_reference(name, dtype, threads, monk
     for block in blocks:
         ref = make_codec(name, dtype=dtype, numel=n, backend="torch", block_size=block)
         nat = make_codec(name, dtype=dtype, numel=n, backend="native", block_size=block)
-        full = ref.clamp_capacity(ref.max_bytes)
-        probe = torch.empty(full, dtype=torch.uint8)
-        ref.encode(shard=y, state=ref.new_state(shard=x), out=probe)
-        needed = int(probe[16:24].view(torch.int64)[0])
-        caps = [full] + [ref.clamp_capacity(ref.fixed_bytes + (needed - ref.fixed_bytes) * f // 8) for f in (3, 7)]
-        for cap in caps:
+        full, _, caps = _needed_and_capacities(ref, x, y, (3, 7))
+        for cap in [full] + caps:
             want, want_state = torch.full((cap,), 0x6B, dtype=torch.uint8), ref.new_state(shard=x)
             ref.encode(shard=y, state=want_state, out=want)
             for stall in ("", "0", "1", "2"):
                 monkeypatch.setenv("CIERA_NATIVE_STALL", stall)
                 for k in (2, 3):
                     threads(k)
-                    got, state = torch.full((cap,), 0x6B, dtype=torch.uint8), nat.new_state(shard=x)
-                    nat.encode(shard=y, state=state, out=got)
-                    diff = (got != want).nonzero().flatten()
-                    assert diff.numel() == 0, (block, cap, stall, k, diff[:8].tolist())
-                    assert torch.equal(state, want_state), (block, cap, stall, k)
+                    _assert_encode_equals(nat, x, y, cap, 0x6B, want, want_state, (block, cap, stall, k))
                     if cap == full:
                         target = x.clone()
                         nat.decode(payload=want, target=target)
@@ -357,12 +370,8 @@ def test_partial_capacities_equal_the_reference(name, dtype, threads, monkeypatc
     y = tr.step()
     ref = make_codec(name, dtype=dtype, numel=n, backend="torch")
     nat = make_codec(name, dtype=dtype, numel=n, backend="native")
-    full = ref.clamp_capacity(ref.max_bytes)
-    probe = torch.empty(full, dtype=torch.uint8)
-    ref.encode(shard=y, state=ref.new_state(shard=x), out=probe)
-    needed = int(probe[16:24].view(torch.int64)[0])
+    _, needed, caps = _needed_and_capacities(ref, x, y, (1, 3, 5, 7))
     assert needed > ref.fixed_bytes + 64, "the step must change enough to overflow part-way"
-    caps = sorted({ref.clamp_capacity(ref.fixed_bytes + (needed - ref.fixed_bytes) * f // 8) for f in (1, 3, 5, 7)})
     for cap in caps:
         want, want_state = torch.full((cap,), 0x3C, dtype=torch.uint8), ref.new_state(shard=x)
         ref.encode(shard=y, state=want_state, out=want)
@@ -372,11 +381,7 @@ def test_partial_capacities_equal_the_reference(name, dtype, threads, monkeypatc
             monkeypatch.setenv("CIERA_NATIVE_AVX512", avx512)
             for k in (1, 3):
                 threads(k)
-                got, state = torch.full((cap,), 0x3C, dtype=torch.uint8), nat.new_state(shard=x)
-                nat.encode(shard=y, state=state, out=got)
-                diff = (got != want).nonzero().flatten()
-                assert diff.numel() == 0, (cap, avx2, avx512, k, diff[:8].tolist())
-                assert torch.equal(state, want_state), (cap, avx2, avx512, k)
+                _assert_encode_equals(nat, x, y, cap, 0x3C, want, want_state, (cap, avx2, avx512, k))
 
 
 def _skewed_shard(kind: str, dtype: torch.dtype, n: int) -> tuple[torch.Tensor, torch.Tensor]:

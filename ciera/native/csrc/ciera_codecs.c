@@ -143,6 +143,24 @@ static void claims_init(ciera_claims *c, int64_t units, int64_t grain, int threa
     c->threads = threads;
 }
 
+/* Grains that `units` units span (at least one, so a walk over pieces always moves on). */
+static int64_t grains_of(int64_t units, int64_t grain) {
+    const int64_t g = (units + grain - 1) / grain;
+    return g > 0 ? g : 1;
+}
+
+/* Units a thread other than 0 may claim into its scratch: 1.5x an even share of `units`, in whole
+ * grains (then it stops claiming and thread 0 takes the rest). */
+static int64_t claims_share(int64_t units, int64_t grain, int threads) {
+    return min64(units, ((3 * units + 2 * threads - 1) / (2 * threads) + grain - 1) / grain * grain);
+}
+
+/* Copies what of [off, off + bytes) (from src) lies in [lo, hi): a thread's even range of a copy. */
+static void copy_overlap(uint8_t *out, int64_t off, const uint8_t *src, int64_t bytes, int64_t lo, int64_t hi) {
+    const int64_t a = off > lo ? off : lo, b = min64(off + bytes, hi);
+    if (a < b) memcpy(out + a, src + (a - off), (size_t)(b - a));
+}
+
 /* For the tests: CIERA_NATIVE_STALL=k makes thread k of every claimed pass start 2 ms late, so
  * the others claim what they may (read per call, as the other CIERA_NATIVE_* are). */
 static int claims_stalled(void) {
@@ -393,8 +411,11 @@ static int64_t popcount_blocks(const uint8_t *p, int64_t blo, int64_t bhi) {
     return c;
 }
 
-/* Values per claim of exponent_reuse's passes (at least a unit). */
-#define ER_GRAIN_VALUES 16384
+/* Units per claim of exponent_reuse's passes: about 16384 values, at least one unit. */
+static int64_t er_grain(const ciera_er_layout *l) {
+    const int64_t g = 16384 / er_unit(l);
+    return g > 0 ? g : 1;
+}
 
 /* A claim of exponent_reuse's encode by a thread other than 0 (pieces[lo / grain]): its units and
  * changed blocks, whose exponents (blocks of <= 64 values) wait at src in the thread's scratch. */
@@ -402,12 +423,6 @@ typedef struct {
     const uint8_t *src;
     int64_t changed, units;
 } er_piece;
-
-/* Grains a piece spans (at least one: the walk over the pieces always moves on). */
-static int64_t er_piece_grains(const er_piece *p, int64_t grain) {
-    const int64_t g = (p->units + grain - 1) / grain;
-    return g > 0 ? g : 1;
-}
 
 /* Exponents of the changed blocks among [blo, bhi) (blo a multiple of 8), in block order, from
  * the (updated) state into slots [slot, slots). */
@@ -429,6 +444,16 @@ static void er_exps_from_state(const ciera_er_layout *l, const uint8_t *state, u
     }
 }
 
+/* Encodes units [lo, hi) of a claim (exponents of changed blocks of <= 64 values: their first
+ * `room` into exps); returns its changed blocks. */
+static int64_t er_encode_claim(const ciera_er_layout *l, const void *shard, uint8_t *state, uint8_t *out, int64_t lo,
+                               int64_t hi, uint8_t *exps, int64_t room, int fast) {
+    const int64_t n = l->numel, B = l->block_size, unit = er_unit(l);
+    const int64_t v_lo = lo * unit, v_hi = min64(hi * unit, n);
+    const int64_t c = er_encode_chunk(l, shard, state, out, v_lo, v_hi, exps, room, fast);
+    return B <= 64 ? c : popcount_blocks(out + l->off_bitmap, v_lo / B, (v_hi + B - 1) / B);
+}
+
 /* Returns the bytes needed (>= 0) or a negative error code. Shared out by claims (ciera_claims):
  * thread 0 encodes from the front, with blocks of <= 64 values writing the changed blocks'
  * exponents straight into their slots while the tile is hot; the others encode from the back,
@@ -440,31 +465,27 @@ int64_t ciera_er_encode(const ciera_er_layout *l, const void *shard, uint8_t *st
     const int64_t n = l->numel, B = l->block_size, unit = er_unit(l);
     const int64_t slots = er_slots(l, capacity), units = (n + unit - 1) / unit;
     if (n == 0) return l->off_exps;
-    const int64_t G = ER_GRAIN_VALUES / unit > 0 ? ER_GRAIN_VALUES / unit : 1, ng = (units + G - 1) / G;
+    const int64_t G = er_grain(l), ng = (units + G - 1) / G;
     threads = clamp_threads(threads);
     if (threads > units) threads = (int)units;
     er_piece *pieces = calloc((size_t)ng, sizeof(er_piece));
     if (!pieces) return CIERA_E_NOMEM;
-    /* a scratch holds up to 1.5x an even share of the units (then its thread stops claiming) */
-    const int64_t share = min64(units, ((3 * units + 2 * threads - 1) / (2 * threads) + G - 1) / G * G);
+    const int64_t share = claims_share(units, G, threads);
     const int fast = er_fast(l), inline_exps = B <= 64, stalled = claims_stalled();
-    int64_t front_changed = 0, front_units = 0;
+    int64_t front_changed = 0, front_units = 0, back_changed = 0;
     ciera_claims cl;
     claims_init(&cl, units, G, threads);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         const int k = CIERA_THREAD_ID();
         int64_t lo, hi;
-        const uint8_t *bitmap = out + l->off_bitmap;
         claims_stall(k, stalled);
         if (k == 0) {
             int64_t base = 0;
             while (claim(&cl, 0, 1, INT64_MAX, &lo, &hi)) {
-                const int64_t v_lo = lo * unit, v_hi = min64(hi * unit, n);
                 uint8_t *dst = inline_exps ? out + l->off_exps + min64(base, slots) * B : NULL;
-                const int64_t c = er_encode_chunk(l, shard, state, out, v_lo, v_hi, dst,
-                                                  inline_exps ? (slots - base > 0 ? slots - base : 0) : 0, fast);
-                base += inline_exps ? c : popcount_blocks(bitmap, v_lo / B, (v_hi + B - 1) / B);
+                base += er_encode_claim(l, shard, state, out, lo, hi, dst,
+                                        inline_exps && slots > base ? slots - base : 0, fast);
                 front_units = hi;
             }
             front_changed = base;
@@ -473,11 +494,9 @@ int64_t ciera_er_encode(const ciera_er_layout *l, const void *shard, uint8_t *st
             int64_t used_units = 0, used = 0; /* scratch bytes */
             while ((scratch || !inline_exps) && used_units + G <= share &&
                    claim(&cl, 1, 1, share - used_units, &lo, &hi)) {
-                const int64_t v_lo = lo * unit, v_hi = min64(hi * unit, n);
                 uint8_t *dst = inline_exps ? scratch + used : NULL;
-                const int64_t c = er_encode_chunk(l, shard, state, out, v_lo, v_hi, dst,
-                                                  inline_exps ? (share * unit - used) / B : 0, fast);
-                const int64_t cnt = inline_exps ? c : popcount_blocks(bitmap, v_lo / B, (v_hi + B - 1) / B);
+                const int64_t cnt = er_encode_claim(l, shard, state, out, lo, hi, dst,
+                                                    inline_exps ? (share * unit - used) / B : 0, fast);
                 pieces[lo / G] = (er_piece){.src = dst, .changed = cnt, .units = hi - lo};
                 used += inline_exps ? cnt * B : 0;
                 used_units += hi - lo;
@@ -485,30 +504,27 @@ int64_t ciera_er_encode(const ciera_er_layout *l, const void *shard, uint8_t *st
         }
 #pragma omp barrier
         const int64_t fg = (front_units + G - 1) / G;
+        int64_t back = 0; /* the back pieces' changed blocks (every thread the same) */
+        for (int64_t g = fg; g < ng; g += grains_of(pieces[g].units, G)) back += pieces[g].changed;
+        if (k == 0) back_changed = back;
         if (inline_exps) { /* the back pieces' exponents to their slots, in even slot ranges per thread */
-            int64_t total = 0;
-            for (int64_t g = fg; g < ng; g += er_piece_grains(&pieces[g], G)) total += pieces[g].changed;
-            const int64_t s0 = front_changed, s1 = min64(front_changed + total, slots > s0 ? slots : s0);
-            const int64_t c_lo = s0 + (s1 - s0) * k / threads, c_hi = s0 + (s1 - s0) * (k + 1) / threads;
+            const int64_t s0 = front_changed, s1 = min64(front_changed + back, slots > s0 ? slots : s0);
+            const int64_t c_lo = (s0 + (s1 - s0) * k / threads) * B, c_hi = (s0 + (s1 - s0) * (k + 1) / threads) * B;
             int64_t slot = s0;
-            for (int64_t g = fg; g < ng && slot < c_hi; slot += pieces[g].changed, g += er_piece_grains(&pieces[g], G)) {
-                const int64_t a = slot > c_lo ? slot : c_lo, b = min64(slot + pieces[g].changed, c_hi);
-                if (a < b) memcpy(out + l->off_exps + a * B, pieces[g].src + (a - slot) * B, (size_t)((b - a) * B));
-            }
+            for (int64_t g = fg; g < ng && slot * B < c_hi; slot += pieces[g].changed, g += grains_of(pieces[g].units, G))
+                copy_overlap(out + l->off_exps, slot * B, pieces[g].src, pieces[g].changed * B, c_lo, c_hi);
         } else { /* the front range by thread 0, back pieces round robin */
 #define ER_BLOCKS_TO(u) ((min64((u) * unit, n) + B - 1) / B) /* blocks of units [0, u) */
             if (k == 0) er_exps_from_state(l, state, out, 0, ER_BLOCKS_TO(front_units), 0, slots);
             int64_t slot = front_changed, i = 0;
-            for (int64_t g = fg; g < ng && slot < slots; slot += pieces[g].changed, g += er_piece_grains(&pieces[g], G), i++)
+            for (int64_t g = fg; g < ng && slot < slots; slot += pieces[g].changed, g += grains_of(pieces[g].units, G), i++)
                 if (i % threads == k)
                     er_exps_from_state(l, state, out, g * G * unit / B, ER_BLOCKS_TO(g * G + pieces[g].units), slot, slots);
 #undef ER_BLOCKS_TO
         }
     }
-    int64_t total = front_changed;
-    for (int64_t g = (front_units + G - 1) / G; g < ng; g += er_piece_grains(&pieces[g], G)) total += pieces[g].changed;
     free(pieces);
-    return l->off_exps + total * B;
+    return l->off_exps + (front_changed + back_changed) * B;
 }
 
 /* Exponents of the changed blocks among [blo, bhi) from slot *slot on (block order). */
@@ -628,7 +644,7 @@ int ciera_er_decode(const ciera_er_layout *l, const uint8_t *payload, int64_t le
     if (length < l->off_exps) return CIERA_E_TRUNCATED;
     if (n == 0) return CIERA_OK;
     const int64_t units = (n + unit - 1) / unit;
-    const int64_t G = ER_GRAIN_VALUES / unit > 0 ? ER_GRAIN_VALUES / unit : 1, ng = (units + G - 1) / G;
+    const int64_t G = er_grain(l), ng = (units + G - 1) / G;
     threads = clamp_threads(threads);
     if (threads > ng) threads = (int)ng;
     const uint8_t *bitmap = payload + l->off_bitmap;
@@ -1775,12 +1791,6 @@ typedef struct {
     int64_t blocks;       /* its blocks, from block lo (pieces[lo / grain]) */
 } delta_piece;
 
-/* Grains a piece spans (at least one: the walk over the pieces always moves on). */
-static int64_t piece_grains(const delta_piece *p, int64_t grain) {
-    const int64_t g = (p->blocks + grain - 1) / grain;
-    return g > 0 ? g : 1;
-}
-
 /* Two passes, each shared out by claims (ciera_claims): the histogram (guided claims into per-thread
  * counters, summed), then, once the table is chosen, the packing in grains of blocks. Thread 0
  * packs its grains from the front straight into out; every other thread packs its grains (from
@@ -1803,15 +1813,14 @@ int64_t ciera_delta_encode(const ciera_delta_layout *l, const void *shard, void 
         free(hists); free(hist); free(pieces);
         return CIERA_E_NOMEM;
     }
-    /* a scratch holds up to 1.5x an even share of the blocks (then its thread stops claiming) */
-    const int64_t share = min64(nb, ((3 * nb + 2 * threads - 1) / (2 * threads) + G - 1) / G * G);
+    const int64_t share = claims_share(nb, G, threads);
     uint8_t table[256];
     delta_wctx wc;
     ciera_claims hc, pc;
     const int stalled = claims_stalled();
     claims_init(&hc, units, DELTA_HIST_GRAIN, threads);
     claims_init(&pc, nb, G, threads);
-    int64_t front_bytes = 0, front_grains = 0;
+    int64_t front_bytes = 0, front_grains = 0, back_bytes = 0;
     uint8_t *table_out = out + l->off_table, *counts = out + l->off_counts;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
@@ -1857,26 +1866,24 @@ int64_t ciera_delta_encode(const ciera_delta_layout *l, const void *shard, void 
 #pragma omp barrier
         /* the back pieces to their place (the blocks that end inside the capacity), in byte
            ranges of even size, one per thread, whoever packed them */
-        int64_t total = 0;
-        for (int64_t g = front_grains; g < ng; g += piece_grains(&pieces[g], G)) total += pieces[g].bytes;
+        int64_t total = 0; /* the back pieces' bytes (every thread the same) */
+        for (int64_t g = front_grains; g < ng; g += grains_of(pieces[g].blocks, G)) total += pieces[g].bytes;
+        if (k == 0) back_bytes = total;
         const int64_t base = l->off_data + front_bytes, end = base + min64(total, capacity - base < 0 ? 0 : capacity - base);
         const int64_t c_lo = base + (end - base) * k / threads, c_hi = base + (end - base) * (k + 1) / threads;
         int64_t off = base;
-        for (int64_t g = front_grains; g < ng && off < c_hi; off += pieces[g].bytes, g += piece_grains(&pieces[g], G)) {
+        for (int64_t g = front_grains; g < ng && off < c_hi; off += pieces[g].bytes, g += grains_of(pieces[g].blocks, G)) {
             const delta_piece *pc_ = &pieces[g];
             int64_t keep = pc_->bytes;
             if (off + keep > capacity) {
                 keep = 0;
                 for (int64_t i = 0; i < pc_->blocks && off + pc_->ends[i] <= capacity; i++) keep = pc_->ends[i];
             }
-            const int64_t a = off > c_lo ? off : c_lo, b = min64(off + keep, c_hi);
-            if (a < b) memcpy(out + a, pc_->src + (a - off), (size_t)(b - a));
+            copy_overlap(out, off, pc_->src, keep, c_lo, c_hi);
         }
     }
-    int64_t needed = l->off_data + front_bytes;
-    for (int64_t g = front_grains; g < ng; g += piece_grains(&pieces[g], G)) needed += pieces[g].bytes;
     free(hists); free(hist); free(pieces);
-    return needed;
+    return l->off_data + front_bytes + back_bytes;
 }
 
 /* Widths of block b's values from the previous values into ww (DELTA_MAX_BLOCK + 128 bytes; zero
