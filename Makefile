@@ -3,28 +3,37 @@ PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup native demo test test-all bench bench-codec test-megatron-latest testbed-setup demo-cluster bench-cluster
+.PHONY: setup setup-demo native demo test test-all bench bench-codec test-megatron-latest testbed-setup demo-cluster bench-cluster
 
+# Two levels of set-up in one .venv:
+#   setup-demo  torch==2.13.0 (CPU) + megatron-core + matplotlib: the demos, the launch scripts, the tools
+#   setup       plus what the tests and benchmarks need: triton (its interpreter runs the kernel
+#               tests on CPU), pytest, hypothesis, tensorboard and wandb (logging tests)
+# GPU clusters install with `pip install -e '.[triton]'` into their own torch.
+setup-demo: $(VENV)/.base $(VENV)/.native
 setup: $(VENV)/.installed $(VENV)/.native
 
-# torch==2.13.0 (CPU) via the `cpu` extra; GPU clusters install with `pip install -e '.[triton]'`.
-# pip builds the native codecs from the current C source, hence the second stamp.
-$(VENV)/.installed: setup.py
+# pip builds the native codecs from the current C source, hence the .native stamp.
+$(VENV)/.base: setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
+	$(BIN)/python -m pip install -q -e '.[cpu,plots]'
+	touch $@ $(VENV)/.native
+
+$(VENV)/.installed: $(VENV)/.base
 	$(BIN)/python -m pip install -q -e '.[cpu,triton,dev]'
 	touch $@ $(VENV)/.native
 
 # An edit of ciera/native/csrc rebuilds only the extension in place (seconds), not the venv.
-$(VENV)/.native: ciera/native/csrc/ciera_codecs.c | $(VENV)/.installed
+$(VENV)/.native: ciera/native/csrc/ciera_codecs.c | $(VENV)/.base
 	@[ $@ -nt $< ] || { $(BIN)/python setup.py -q build_ext --inplace && touch $@; }
 
 # Rebuild the native CPU codecs in place now, whatever the stamps say.
-native: | $(VENV)/.installed
+native: | $(VENV)/.base
 	$(BIN)/python setup.py -q build_ext --inplace
 	touch $(VENV)/.native
 
-demo: setup
+demo: setup-demo
 	$(BIN)/python examples/cpu_demo.py
 
 test: setup testbed-setup
@@ -47,7 +56,7 @@ testbed-setup:
 	  slurm-wlm munge iproute2 >/dev/null && echo "testbed-setup: installed slurm-wlm munge iproute2"; fi
 
 # 2 hosts at 1 Gbit/s: iteration time and bytes with and without CIERA, bit-identical (root).
-demo-cluster: setup
+demo-cluster: setup-demo
 	$(BIN)/python tools/testbed/demo_cluster.py
 
 # The measurement: gather and training on the testbed at 1, 2.5 and 10 Gbit/s (root; ~40 min on 2 cores with
@@ -68,7 +77,7 @@ test-megatron-latest:
 	$(VENV312)/bin/python -c "import megatron.core, torch; print('megatron-core', megatron.core.__version__, 'torch', torch.__version__)"
 	$(VENV312)/bin/python -m pytest -q tests/megatron
 
-# Issue 16's codec table in one command: reference vs native (1 and 2 threads) vs ZipNN and zstd,
+# The codec table in one command: reference vs native (1 and 2 threads) vs ZipNN and zstd,
 # wall and CPU clocks, with a verdict line per target.
 bench-codec: setup
 	$(BIN)/python -m pip install -q -e '.[cpu,triton,dev,peers]'

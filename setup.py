@@ -8,7 +8,8 @@ built here as an *optional* extension: without a working C compiler the install 
 the codecs fall back to their pure-torch references (``ciera.native`` logs why).
 
 Torch is not pinned here: GPU clusters bring their own build. The ``cpu`` extra pins the CPU
-build used on development machines and CI (``pip install -e '.[cpu,dev]'``).
+build used on development machines and CI. ``make demo`` installs ``.[cpu,plots]`` (the demos,
+launch scripts and tools); ``make setup`` / ``make test`` add ``triton`` and ``dev`` (the tests).
 """
 
 from setuptools import Extension, find_namespace_packages, setup
@@ -68,6 +69,7 @@ setup(
         "triton": ["triton>=3.0"],
         "gpu": ["transformer-engine[pytorch]"],
         "plots": ["matplotlib"],
+        # What the tests need besides triton (whose interpreter runs the kernel tests on CPU).
         "dev": ["pytest>=8", "hypothesis>=6", "matplotlib", "tensorboard", "wandb"],
         "logging": ["tensorboard", "wandb"],
         # Peers in tools/bench_codec.py (optional rows): ZipNN and zstd.

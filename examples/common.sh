@@ -38,7 +38,7 @@
 #   CIERA_CODEC, CIERA_BLOCK_SIZE, CIERA_WARMUP_ITERS, CIERA_SELECTION, CIERA_VERIFY_INTERVAL
 #                    passed (in both modes) only when set; TINY sets CIERA_WARMUP_ITERS=2
 #   TORCHRUN         launcher words (default: "$PYTHON -m torch.distributed.run" when PYTHON is
-#                    set, else torchrun from PATH)
+#                    set, else torchrun from PATH, else the repository's .venv/bin/python)
 #
 # Arguments given to the script ("$@") are appended last, so they override anything above.
 
@@ -270,13 +270,16 @@ ciera_build_args() {
 # multi-node rendezvous from NNODES / NODE_RANK / MASTER_ADDR / MASTER_PORT (set by SLURM below).
 ciera_launcher() {
     local -a torchrun
-    # TORCHRUN wins; an explicit PYTHON means "that interpreter's torch"; else torchrun on PATH.
+    # TORCHRUN wins; an explicit PYTHON means "that interpreter's torch"; else torchrun on PATH,
+    # else the repository's own .venv (what `make demo` / `make setup` build).
     if [[ -n "${TORCHRUN:-}" ]]; then
         read -r -a torchrun <<<"$TORCHRUN"
     elif [[ -n "${PYTHON:-}" ]]; then
         torchrun=("$PYTHON" -m torch.distributed.run)
     elif command -v torchrun >/dev/null 2>&1; then
         torchrun=(torchrun)
+    elif [[ -x "$CIERA_ROOT/.venv/bin/python" ]]; then
+        torchrun=("$CIERA_ROOT/.venv/bin/python" -m torch.distributed.run)
     else
         torchrun=(python3 -m torch.distributed.run)
     fi
