@@ -8,7 +8,18 @@ megatron/ciera/training.py.
 
 import sys
 
-from megatron.ciera.training import main
+
+def main(argv: list[str]) -> None:
+    if "-h" in argv or "--help" in argv:
+        # The parser alone: --help answers without importing megatron-core's training stack.
+        from megatron.ciera.arguments import build_parser
+
+        build_parser().print_help()
+        return
+    from megatron.ciera.training import main as train_main
+
+    train_main(argv)
+
 
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -101,7 +101,10 @@ def _upstream_default(flag: dict):
 
 
 def _add_upstream(group, flag: dict) -> None:
-    kw = {"dest": flag["dest"], "default": _upstream_default(flag)}
+    # attention_backend's default as its name: argparse converts it at parse time, so building the
+    # parser (and --help) does not import megatron-core.
+    default = "auto" if flag["dest"] == "attention_backend" else _upstream_default(flag)
+    kw = {"dest": flag["dest"], "default": default}
     action = flag["action"]
     if action in ("storetrue", "storefalse"):
         kw["action"] = "store_true" if action == "storetrue" else "store_false"
@@ -131,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pretrain_gpt.py",
         description="GPT / MoE pretraining on Megatron-Core with the CIERA compressed parameter all-gather. "
                     "Megatron-LM's flags keep upstream's names, types and defaults (see upstream's "
-                    "megatron/training/arguments.py); only the flags below the 'CIERA' heading are ours.",
+                    "megatron/training/arguments.py); only the flags under the 'CIERA' heading, at the end, are ours.",
         allow_abbrev=False,
     )
     # The checkpoint, evaluation, data and logging flags come with their features' own checks
@@ -146,18 +149,47 @@ def build_parser() -> argparse.ArgumentParser:
             seen.update(options)
             _add_upstream(g, dict(flag, options=options))
 
-    g = p.add_argument_group("CIERA and this entry point")
-    g.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when available, else cpu")
+    from ciera.config import CieraConfig  # the library's defaults, quoted in the help below
+
+    d = CieraConfig()
+    g = p.add_argument_group(
+        "CIERA and this entry point",
+        "Ours. Without --ciera-allgather the other --ciera-* flags are accepted and do nothing, so a "
+        "baseline and a CIERA run can share one command. Training is bit-identical either way.")
+    g.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                   help="default: cuda when available, else cpu. cpu runs on gloo (tests, the demos, "
+                        "laptops); kernel and fusion flags are then listed once at start-up and not used")
     g.add_argument("--ciera-loss-log", default=None, metavar="FILE",
-                   help="rank 0 writes 'iteration loss.hex()' per iteration (exact comparisons)")
-    g.add_argument("--ciera-allgather", action="store_true", help="gather parameters with CIERA (needs --use-distributed-optimizer)")
-    g.add_argument("--ciera-codec", choices=["raw", "exponent_reuse", "delta", "auto"], default=None)
-    g.add_argument("--ciera-block-size", type=int, default=None)
-    g.add_argument("--ciera-warmup-iters", type=int, default=None, help="gathers per bucket sent raw first (>= 1)")
-    g.add_argument("--ciera-selection", choices=["auto", "always", "never"], default=None)
-    g.add_argument("--ciera-verify-interval", type=int, default=None)
-    g.add_argument("--ciera-snapshot-dir", default=None, metavar="DIR")
-    g.add_argument("--ciera-snapshot-interval", type=int, default=None, metavar="N")
+                   help="rank 0 writes 'iteration loss.hex()' per iteration, for exact comparisons of "
+                        "two runs (default: not written)")
+    g.add_argument("--ciera-allgather", action="store_true",
+                   help="gather parameters with CIERA's lossless compressed all-gather (default: off, "
+                        "Megatron's gather). Needs --use-distributed-optimizer. Use it where the "
+                        "parameter all-gather is communication-bound (slow links, MoE experts)")
+    g.add_argument("--ciera-codec", choices=["raw", "exponent_reuse", "delta", "auto"], default=None,
+                   help=f"codec of compressed gathers (default {d.codec}: the cost model picks per bucket). "
+                        "delta sends fewest bytes; exponent_reuse encodes fastest (at most 2x on bf16); "
+                        "raw never compresses")
+    g.add_argument("--ciera-block-size", type=int, default=None, metavar="N",
+                   help=f"values per exponent_reuse block, a power of two in [1, 4096] (default {d.block_size}). "
+                        "Smaller blocks resend fewer unchanged exponents; rarely worth changing")
+    g.add_argument("--ciera-warmup-iters", type=int, default=None, metavar="N",
+                   help=f"gathers per bucket sent raw first, and after each invalidation (default "
+                        f"{d.warmup_gathers}, at least 1: the first gather has nothing to reuse)")
+    g.add_argument("--ciera-selection", choices=["auto", "always", "never"], default=None,
+                   help=f"default {d.selection}: per bucket, compress only where the cost model predicts "
+                        "a gain from the measured link and codec speeds. always: compress every gather "
+                        "(e.g. to see the bytes saved on one host, where raw is faster); never: send raw "
+                        "through CIERA's code path (a baseline)")
+    g.add_argument("--ciera-verify-interval", type=int, default=None, metavar="N",
+                   help=f"every N gathers, compare a 64-bit hash of every gathered shard across ranks "
+                        f"and stop naming the bucket on a mismatch (default {d.verify_interval}: off). "
+                        "For debugging or new hardware; costs one small collective per check")
+    g.add_argument("--ciera-snapshot-dir", default=None, metavar="DIR",
+                   help="rank 0 saves the gathered parameters here for tools/exponent_stats.py "
+                        "(default: none; needs --ciera-snapshot-interval)")
+    g.add_argument("--ciera-snapshot-interval", type=int, default=None, metavar="N",
+                   help="save a snapshot every N iterations (default: none; needs --ciera-snapshot-dir)")
     return p
 
 
