@@ -16,8 +16,8 @@ runs (the machine may be shared), the median over the measured steps; clone() ru
 Every measurement is taken on both clocks at once: wall time, and CPU time (what the work costs;
 the fair one-thread figure on a shared machine: the process's over all its threads, the calling
 thread's for a native call at one thread), one row each,
-with the 1-minute load average beside it. The run ends with one verdict line per target of issue
-16 (met / MISSED, with the figures): encode and decode vs clone() at one thread, the 2-thread
+with the 1-minute load average beside it. The run ends with one verdict line per target
+(met / MISSED, with the figures; TARGET_VS_CLONE, TARGET_SPEEDUP below): encode and decode vs clone() at one thread, the 2-thread
 speed-up (wall), and each codec vs the peers -- on the setting it is judged by (exponent_reuse on
 the raw values, delta on the XOR with the previous values) and vs every peer row.
 
@@ -199,7 +199,7 @@ def bench_peer(*, name, compress, decompress, snaps, xor, repeats, device):
                 raw=nb.numel() * nb.element_size(), needed=needed, enc=enc, dec=dec, clone=clone)
 
 
-# -- verdicts: the targets of issue 16, judged on one run's rows -----------------------------------
+# -- verdicts: the project's CPU codec targets, judged on one run's rows ----------------------------
 TARGET_VS_CLONE = {"exponent_reuse": 0.3, "delta": 0.1}
 """One thread: encode and decode each at least this fraction of clone()'s speed."""
 TARGET_SPEEDUP = 1.7
@@ -352,7 +352,7 @@ def main(argv=None) -> int:
     verdict = [] if args.sweep_block or not compare else verdicts(rows, lrs=args.lr, codecs=codecs,
                                                                     threads=args.threads)
     if verdict:
-        print("\nVerdicts (issue 16 targets):")
+        print("\nVerdicts (CPU codec targets: encode/decode vs clone() at 1 thread, 2-thread speed-up, vs peers):")
         for v in verdict:
             print(f"- {v}")
     print(f"# load average at end {load()}")

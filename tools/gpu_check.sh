@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (H200 or any CUDA GPU), under 8 minutes, for a session that is lent a
-# GPU. Sections, each a function, each bounded by a timeout, each writing its table to $OUT
+# The one prepared GPU check (H200 or any CUDA GPU), under 8 minutes, to run on the first machine
+# with a GPU. Sections, each a function, each bounded by a timeout, each writing its table to $OUT
 # (default /tmp/ciera_gpu) for BENCHMARKS.md:
 #
 #   env         device, torch, triton
@@ -218,7 +218,7 @@ decode_many() {  # the gather's batched decode: decode_many over world-1 payload
     done
 }
 
-# --- Megatron GPU code paths (issue 13): one short pretrain_gpt.py run on the default GPU path ---
+# --- Megatron GPU code paths: one short pretrain_gpt.py run on the default GPU path ---
 # transformer-engine spec (upstream's default --transformer-impl when TE is installed), grouped GEMM
 # experts, the alltoall dispatcher, upstream's default fusions, with and without --ciera-allgather:
 # losses and params sha256 must match. With >= 2 GPUs the run uses EP (and TP2+SP with >= 4).

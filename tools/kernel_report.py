@@ -88,7 +88,7 @@ ARCHS = (80, 90)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CODECS = ("delta", "exponent_reuse")
 RATIO = {"delta": 0.18, "exponent_reuse": 0.56}
-"""Default wire/raw ratios for the payload's traffic (the issue's targets at lr 1e-4)."""
+"""Default wire/raw ratios for the payload's traffic (the codecs' targets at lr 1e-4)."""
 
 
 def _nvidia_tool(name: str) -> str:

@@ -296,7 +296,7 @@ def test_long_trajectory_no_drift(dtype, steps):
 
 
 def test_compresses_adam_trajectory():
-    """The target of the issue on a small shard: at most 0.25 of raw bytes at lr 1e-4."""
+    """delta's wire-size target on a small shard: at most 0.25 of raw bytes at lr 1e-4."""
     tr = AdamTrajectory(numel=1 << 15, dtype=torch.bfloat16, lr=1e-4)
     for _ in range(30):
         x = tr.step()
