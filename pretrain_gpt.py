@@ -16,6 +16,9 @@ def main(argv: list[str]) -> None:
 
         build_parser().print_help()
         return
+    from megatron.ciera.upstream_notices import silence_fallback_warnings
+
+    silence_fallback_warnings()  # before megatron-core is imported; training says it once instead
     from megatron.ciera.training import main as train_main
 
     train_main(argv)

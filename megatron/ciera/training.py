@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from . import bucket_group as ciera_binding
-from . import checkpointing, data, evaluation, logging_utils, parallel, timers
+from . import checkpointing, data, evaluation, logging_utils, parallel, timers, upstream_notices
 from . import model as model_lib
 from .arguments import ciera_config_from_args, parse_args
 
@@ -391,6 +391,8 @@ def train(args) -> str:
     parallel.initialize(args)
     _log_selection_decisions(args)
     _report_cpu_ignored(args)
+    if note := upstream_notices.fallback_note(device=_device(args)):
+        _print0(note)
     checkpointing.preflight(args)  # --save writable, no fresh start over checkpoints: before any work
     tokenizer = data.build_tokenizer(args)
     vocab = data.padded_vocab_size(tokenizer.vocab_size,
