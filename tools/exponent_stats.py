@@ -545,14 +545,31 @@ def markdown_table(*, summary: dict[str, dict], types: dict[str, dict], rows: li
     return "\n".join(lines) + "\n"
 
 
-def write_plots(*, out_dir: Path, rows: list[dict], summary: dict[str, dict], note: str, warmup: int) -> list[Path]:
+def write_plots(*, out_dir: Path, rows: list[dict], summary: dict[str, dict], note: str, warmup: int,
+                source: str) -> list[Path]:
     """change_rates.png, block_rates.png and codec_ratio.png in ``out_dir``; their paths.
 
-    Time series mark the end of ``warmup`` with a dotted line when it falls inside the run."""
+    Every title says what is plotted and on what (``source``); legends sit below the panels, off the
+    data. Time series mark the end of ``warmup`` with a dotted line when it falls inside the run."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    def titled(fig, what: str) -> None:
+        fig.suptitle(what + "\n" + textwrap.fill(source, width=110), fontsize=10)
+
+    def legend_below(fig, ax) -> None:
+        handles, labels = ax.get_legend_handles_labels()
+        if show_warmup:
+            handles.append(Line2D([], [], color="grey", ls=":", lw=1))
+            labels.append(f"end of warmup (iteration {warmup})")
+        if handles:
+            fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 4), fontsize=8,
+                       frameon=False)
 
     ptypes = [t for t in [*PARAM_TYPES, ALL] if any(t in r["types"] for r in rows)]
     its = lambda t: [r["iteration"] for r in rows if t in r["types"]]  # noqa: E731
@@ -561,7 +578,7 @@ def write_plots(*, out_dir: Path, rows: list[dict], summary: dict[str, dict], no
     show_warmup = bool(rows) and rows[0]["prev_iteration"] < warmup <= rows[-1]["iteration"]
     paths = []
 
-    fig, axes = plt.subplots(3, 1, figsize=(9, 10), sharex=True)
+    fig, axes = plt.subplots(3, 1, figsize=(9, 10), sharex=True, layout="constrained")
     panels = [("exponents changed (%)", lambda p: 100 * p["exp_changed"]),
               ("values changed (%)", lambda p: 100 * p["value_changed"]),
               ("entropy (bits/value): XOR solid,\nH(delta | exponent) dashed", lambda p: p["xor_entropy_bits"])]
@@ -577,15 +594,15 @@ def write_plots(*, out_dir: Path, rows: list[dict], summary: dict[str, dict], no
                      lw=line.get_linewidth())
     axes[0].set_yscale("symlog", linthresh=0.01)
     axes[0].set_ylim(bottom=0)
-    axes[0].legend(fontsize=8, ncol=4)
-    axes[0].set_title(f"Change rates {note}")
+    axes[0].set_ylabel("exponents changed (%, log above 0.01)")
+    titled(fig, f"Parameter changes between snapshots, {note}, by parameter type")
+    legend_below(fig, axes[0])
     axes[-1].set_xlabel("iteration")
-    fig.tight_layout()
     paths.append(out_dir / "change_rates.png")
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(9, 5.5), layout="constrained")
     for t, s in summary.items():
         bs = [int(b) for b in s["block_changed"]]
         ax.plot(bs, [100 * v for v in s["block_changed"].values()], marker="o", label=t, **style(t))
@@ -596,28 +613,29 @@ def write_plots(*, out_dir: Path, rows: list[dict], summary: dict[str, dict], no
     ax.set_xscale("log", base=2)
     ax.set_xlabel("block size B (values)")
     ax.set_ylabel("blocks with a changed exponent (%)")
-    ax.set_title(f"Block-change rate vs B, {note}, after warmup")
+    titled(fig, f"exponent_reuse: blocks of B values with a changed exponent, {note}, "
+                f"mean from iteration {warmup} on")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    ax.legend(fontsize=8, loc="lower right")
     paths.append(out_dir / "block_rates.png")
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
 
     codecs = sorted({k for r in rows for p in r["types"].values() for k in p["codec_ratio"]})
-    fig, axes = plt.subplots(max(1, len(codecs)), 1, figsize=(9, 3 * max(1, len(codecs))), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(max(1, len(codecs)), 1, figsize=(9, 3 * max(1, len(codecs)) + 1.2), sharex=True,
+                             squeeze=False, layout="constrained")
     for ax, c in zip(axes[:, 0], codecs):
         for t in ptypes:
             ax.plot(its(t), series(t, lambda p: p["codec_ratio"].get(c, float("nan"))), label=t, **style(t))
-        ax.set_ylabel(f"{c}: raw / wire")
+        ax.set_ylabel(f"{c}: raw / wire bytes (x)")
         ax.grid(alpha=0.3)
         if show_warmup:
             ax.axvline(warmup, color="grey", ls=":", lw=1)
+    titled(fig, f"Codec compression ratio (raw bytes / wire bytes), {note}, by parameter type"
+                + ("" if codecs else " (no codec run)"))
     if codecs:
-        axes[0, 0].legend(fontsize=8, ncol=4)
-    axes[0, 0].set_title("Codec wire ratio per snapshot" + ("" if codecs else " (no codec run)"))
+        legend_below(fig, axes[0, 0])
     axes[-1, 0].set_xlabel("iteration")
-    fig.tight_layout()
     paths.append(out_dir / "codec_ratio.png")
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
@@ -634,7 +652,8 @@ def write_outputs(*, out_dir: Path, result: dict, summary: dict, table: str, met
                               "iterations": result["iterations"], "skipped": result["skipped"]}),
                              indent=1, allow_nan=False))
     return [md, js, *write_plots(out_dir=out_dir, rows=result["iterations"], summary=summary,
-                                 note=interval_note(rows=result["iterations"]), warmup=meta["warmup"])]
+                                 note=interval_note(rows=result["iterations"]), warmup=meta["warmup"],
+                                 source=meta["source"])]
 
 
 def code_version() -> str:
