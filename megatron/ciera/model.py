@@ -15,6 +15,8 @@ import dataclasses
 
 import torch
 
+from . import upstream_patch
+
 __all__ = ["transformer_config", "ddp_config", "optimizer_config", "layer_spec", "build_model_chunks",
            "scheduler"]
 
@@ -172,22 +174,12 @@ def layer_spec(args, config, vp_stage: int | None = None):
     return spec
 
 
-def _define_missing_te_names() -> None:
-    """megatron-core 0.16.1 without transformer-engine: the MoE router tests ``te_general_gemm is
-    not None`` but the name is only bound when TE imports (NameError). Bind it to None, which is
-    what the check means. No-op with TE installed or on versions that define the name."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
 def build_model_chunks(args, config, vocab_size: int) -> list:
     """One GPTModel per (virtual) pipeline stage this rank holds, first/last stage flags set."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    _define_missing_te_names()
+    upstream_patch.define_missing_te_names()
     if args.transformer_impl == "transformer_engine":
         import transformer_engine  # noqa: F401  (validated at start-up)
     vpp = args.virtual_pipeline_model_parallel_size

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatron.ciera import bucket_group as binding
+from megatron.ciera import upstream_patch as upstream
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucket, _ParamAndGradBucketGroup
 
@@ -102,10 +103,10 @@ INSTALLED_HAS_POST_SYNC = hasattr(_ParamAndGradBucketGroup, "_post_param_sync")
 
 
 def test_upstream_post_sync_isolates_the_version_difference():
-    real = binding.upstream_post_sync(make_group())
+    real = upstream.upstream_post_sync(make_group())
     assert (real is not None) == INSTALLED_HAS_POST_SYNC  # None on 0.16.x, the method on 0.19.x
     group = make_group(cls=Group019)
-    binding.upstream_post_sync(group)()
+    upstream.upstream_post_sync(group)()
     assert group.post_syncs == 1
 
 
@@ -164,10 +165,10 @@ def test_invalidate_stats_and_uninstall():
     binding.invalidate_param_caches([ddp])
     group.start_param_sync()
     binding.invalidate_param_caches([ddp])
-    assert [g.invalidations for g in group._ciera.gathers] == [2, 2]
+    assert [g.invalidations for g in upstream.state_of(group).gathers] == [2, 2]
     assert [name for name, _ in binding.bucket_stats([ddp])] == ["dense0.bucket0", "dense0.bucket1"]
     binding.uninstall([ddp])
-    assert "start_param_sync" not in vars(group) and not hasattr(group, "_ciera")
+    assert "start_param_sync" not in vars(group) and not upstream.is_attached(group)
     assert binding.bucket_stats([ddp]) == []
     with pytest.raises(RuntimeError):
         binding.install([ddp], config="cfg", make_gather=FakeGather) and binding.install([ddp], config="cfg", make_gather=FakeGather)
@@ -199,7 +200,7 @@ def test_fields_missing_in_older_versions_read_as_off():
     group = SimpleNamespace(ddp_config=SimpleNamespace(use_distributed_optimizer=True),
                             intra_distributed_optimizer_instance_size=2,
                             buckets=[SimpleNamespace(param_data=torch.zeros(4, dtype=torch.float16))])
-    assert binding.fallback_reason(group) is None
+    assert upstream.fallback_reason(group) is None
 
 
 def _shared_buffers(group):
@@ -224,8 +225,8 @@ def test_bucket_groups_of_one_process_group_share_measurements():
     binding.install([fake_ddp(a, b, expert=[other])], config="cfg", make_gather=FakeGather)
     for bg in (a, b, other):
         bg.start_param_sync()
-    shared = {id(g.measurements) for bg in (a, b) for g in bg._ciera.gathers}
-    assert len(shared) == 1 and id(other._ciera.gathers[0].measurements) not in shared
+    shared = {id(g.measurements) for bg in (a, b) for g in upstream.state_of(bg).gathers}
+    assert len(shared) == 1 and id(upstream.state_of(other).gathers[0].measurements) not in shared
 
 
 class FakeDistOpt:
@@ -317,7 +318,7 @@ def test_synchronous_request_starts_every_prepared_group_ahead():
     assert FakeGather.log[6:] == [("agree", tuple(names)), *(("start", n) for n in names), *(("wait", n) for n in names)]
     assert all(torch.equal(b.param_data[4:], torch.full((4,), 7, dtype=torch.bfloat16)) for g in groups for b in g.buckets)
     assert binding.finish_param_gathers([ddp]) == 0  # every group's own request came
-    assert all(g._ciera.launched is None and g.param_gather_dispatched for g in groups)
+    assert all(upstream.state_of(g).launched is None and g.param_gather_dispatched for g in groups)
 
 
 def test_groups_started_ahead_are_finished_after_the_step_if_their_request_never_comes():
@@ -329,8 +330,22 @@ def test_groups_started_ahead_are_finished_after_the_step_if_their_request_never
     ddp = fake_ddp(*groups)
     binding.install([ddp], config="cfg", make_gather=FakeGather)
     groups[0].start_param_sync()
-    assert groups[1]._ciera.launched is not None and ("wait", "dense1.bucket0") not in FakeGather.log
+    assert upstream.state_of(groups[1]).launched is not None and ("wait", "dense1.bucket0") not in FakeGather.log
     binding.after_optimizer_step([ddp], overlap_param_gather=False)
-    assert groups[1]._ciera.launched is None and ("wait", "dense1.bucket1") in FakeGather.log
+    assert upstream.state_of(groups[1]).launched is None and ("wait", "dense1.bucket1") in FakeGather.log
     groups[1].start_param_sync()  # its request now gathers afresh (no tracking: every request gathers)
     assert [n for k, n in FakeGather.log if k == "start"].count("dense1.bucket0") == 2
+
+
+def test_uninstall_restores_the_optimizer_step():
+    """After uninstall the optimizer's step is its class's again (the marking wrapper is gone)."""
+    buf = torch.zeros(16, dtype=torch.bfloat16)
+    group = _grouped_buckets(False, buf)
+    ddp = fake_ddp(group)
+    opt = FakeDistOpt([buf], [ddp], overlap=False)
+    binding.install([ddp], config="cfg", make_gather=FakeGather, optimizer=opt)
+    assert "step_with_ready_grads" in vars(opt)
+    opt.step_with_ready_grads()
+    assert [k for k, _ in FakeGather.log].count("start") == 2
+    binding.uninstall([ddp])
+    assert "step_with_ready_grads" not in vars(opt) and not upstream.is_attached(group)

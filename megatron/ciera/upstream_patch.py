@@ -1,0 +1,393 @@
+"""Everything CIERA does to megatron-core's objects, in one module, gated by megatron-core version.
+
+:mod:`megatron.ciera.bucket_group` schedules the gathers on its own state and reaches
+megatron-core only through the functions here:
+
+* :func:`attach` shadows a bucket group's ``start_param_sync`` with :func:`start_param_sync` (an
+  instance attribute, so ``finish_param_sync``, the prefetch chain and
+  ``DistributedDataParallel.start_param_sync`` all reach it: the binding's one dispatch point) and
+  keeps CIERA's state of the group on it (:func:`state_of`); :func:`detach` undoes both.
+* :func:`start_param_sync` is upstream's distributed-optimizer branch of
+  ``_ParamAndGradBucketGroup.start_param_sync`` (its ``force_sync`` logic copied) with the
+  binding's gathers in place of ``all_gather_into_tensor``.
+* :func:`wrap_optimizer_steps` wraps each distributed optimizer's ``step_with_ready_grads`` so the
+  binding learns which bucket groups a step wrote; :func:`unwrap_optimizer_steps` undoes it.
+* :func:`fallback_reason` and :func:`upstream_post_sync` isolate the version differences (0.16.x
+  vs 0.19.x) of the fields and methods read; :func:`define_missing_te_names` binds a name that
+  0.16.1's MoE router reads but defines only with transformer-engine.
+
+Version gate: every upstream method the above replaces, copies or relies on is listed in
+:data:`UPSTREAM_METHODS` with what to re-check when it changes; :data:`KNOWN_SOURCES` holds the
+digest of each one's source in every megatron-core version it was checked against.
+:func:`check_upstream` (run by :func:`attach`) refuses an installed megatron-core whose sources
+match none of them, naming each changed method; ``tests/megatron/test_mc_upstream_patch.py`` fails
+on such a version with the same names and the digests to record once the re-check is done.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import inspect
+import textwrap
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Callable, Iterable, Mapping
+
+import torch
+
+__all__ = ["UpstreamMethod", "UPSTREAM_METHODS", "KNOWN_SOURCES", "installed_version", "source_digest",
+           "installed_digests", "upstream_changes", "check_upstream", "attach", "detach", "state_of",
+           "is_attached", "start_param_sync", "gather_in_flight", "finish_in_flight", "gather_dispatched",
+           "wrap_optimizer_steps", "unwrap_optimizer_steps", "fallback_reason", "upstream_post_sync",
+           "bucket_groups", "define_missing_te_names"]
+
+_GATHER_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_STATE = "_ciera"  # the attribute holding CIERA's state of an attached bucket group
+
+
+# ---------------------------------------------------------------------------------------------
+# The version gate
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class UpstreamMethod:
+    """One megatron-core method this module replaces, copies or relies on."""
+
+    module: str
+    """The module that defines it, e.g. ``megatron.core.distributed.param_and_grad_buffer``."""
+
+    qualname: str
+    """Its qualified name in ``module``, e.g. ``_ParamAndGradBucketGroup.start_param_sync``."""
+
+    recheck: str
+    """What to re-read in the new source before recording its digest in :data:`KNOWN_SOURCES`."""
+
+    @property
+    def name(self) -> str:
+        """``module.qualname``: the key of :data:`KNOWN_SOURCES`' tables."""
+        return f"{self.module}.{self.qualname}"
+
+
+_BUFFER = "megatron.core.distributed.param_and_grad_buffer"
+_OPTIMIZER = "megatron.core.optimizer.optimizer"
+_DISTOPT = "megatron.core.optimizer.distrib_optimizer"
+_DDP = "megatron.core.distributed.distributed_data_parallel"
+_MOE = "megatron.core.transformer.moe.moe_utils"
+
+UPSTREAM_METHODS: tuple[UpstreamMethod, ...] = (
+    UpstreamMethod(_BUFFER, "_ParamAndGradBucketGroup.start_param_sync",
+                   "replaced by start_param_sync here, whose force_sync branch is a copy: the same asserts, "
+                   "handle and param_gather_dispatched bookkeeping, and post-gather step (upstream_post_sync)"),
+    UpstreamMethod(_BUFFER, "_ParamAndGradBucketGroup.finish_param_sync",
+                   "still dispatches through self.start_param_sync (so the instance attribute is reached), "
+                   "needs only .wait() of param_gather_handle, and prefetches next_param_gather_bucket_group"),
+    UpstreamMethod(_DDP, "DistributedDataParallel.start_param_sync",
+                   "calls start_param_sync(force_sync=...) of every dense and expert bucket group"),
+    UpstreamMethod(_DDP, "DistributedDataParallel._start_bucket_group_param_sync",
+                   "(0.19.x; missing before) calls the bucket group's start_param_sync, then _post_param_sync "
+                   "only without overlap_param_gather"),
+    UpstreamMethod(_OPTIMIZER, "MixedPrecisionOptimizer.step_with_ready_grads",
+                   "is where the parameter shards are written (_copy_main_params_to_model_params)"),
+    UpstreamMethod(_DISTOPT, "DistributedOptimizer.step_with_ready_grads",
+                   "writes the shards (super().step_with_ready_grads()) before it asks for the synchronous "
+                   "gathers, and asks through model_chunk.start_param_sync"),
+    UpstreamMethod(_DISTOPT, "DistributedOptimizer._copy_main_params_to_model_params",
+                   "writes only this rank's shard of each bucket's param_data (the gathers' invariant)"),
+    UpstreamMethod(_DISTOPT, "DistributedOptimizer.start_param_sync_for_bucket_group_subset",
+                   "(0.19.x; missing before) asks every bucket group the optimizer owns for its gather "
+                   "(through DistributedDataParallel._start_bucket_group_param_sync)"),
+    UpstreamMethod(_OPTIMIZER, "ChainedOptimizer.step_with_ready_grads",
+                   "steps every chained optimizer through its own step_with_ready_grads (the wrapped one)"),
+    UpstreamMethod(_OPTIMIZER, "ChainedOptimizer._step",
+                   "(0.19.x; missing before) steps every chained optimizer through its own "
+                   "step_with_ready_grads (the wrapped one)"),
+    UpstreamMethod(_MOE, "RouterGatingLinearFunction.forward",
+                   "still tests the module name te_general_gemm for None (define_missing_te_names binds it)"),
+)
+"""Every upstream method whose behaviour this module's patches depend on."""
+
+KNOWN_SOURCES: Mapping[str, Mapping[str, str]] = MappingProxyType({
+    "0.16.1": MappingProxyType({
+        f"{_BUFFER}._ParamAndGradBucketGroup.start_param_sync": "eb5405ddf0b8ea88",
+        f"{_BUFFER}._ParamAndGradBucketGroup.finish_param_sync": "dd65b0be17803c8e",
+        f"{_DDP}.DistributedDataParallel.start_param_sync": "fd207b41394fd242",
+        f"{_DDP}.DistributedDataParallel._start_bucket_group_param_sync": "missing",
+        f"{_OPTIMIZER}.MixedPrecisionOptimizer.step_with_ready_grads": "5b453448f9db7c3d",
+        f"{_DISTOPT}.DistributedOptimizer.step_with_ready_grads": "309807529b7a4ab3",
+        f"{_DISTOPT}.DistributedOptimizer._copy_main_params_to_model_params": "4f50ef1e31d59290",
+        f"{_DISTOPT}.DistributedOptimizer.start_param_sync_for_bucket_group_subset": "missing",
+        f"{_OPTIMIZER}.ChainedOptimizer.step_with_ready_grads": "67a4f04bae7aee3f",
+        f"{_OPTIMIZER}.ChainedOptimizer._step": "missing",
+        f"{_MOE}.RouterGatingLinearFunction.forward": "98b85eb43d9dae24",
+    }),
+    "0.19.2": MappingProxyType({
+        f"{_BUFFER}._ParamAndGradBucketGroup.start_param_sync": "277b3a9c51905fbe",
+        f"{_BUFFER}._ParamAndGradBucketGroup.finish_param_sync": "edd926ddcd5456f2",
+        f"{_DDP}.DistributedDataParallel.start_param_sync": "54195d71302eb588",
+        f"{_DDP}.DistributedDataParallel._start_bucket_group_param_sync": "b1561387931c7891",
+        f"{_OPTIMIZER}.MixedPrecisionOptimizer.step_with_ready_grads": "ecd7b034b8df886e",
+        f"{_DISTOPT}.DistributedOptimizer.step_with_ready_grads": "77837ba463710070",
+        f"{_DISTOPT}.DistributedOptimizer._copy_main_params_to_model_params": "4a9ee74491d2b94d",
+        f"{_DISTOPT}.DistributedOptimizer.start_param_sync_for_bucket_group_subset": "00e71ae780fe6a2f",
+        f"{_OPTIMIZER}.ChainedOptimizer.step_with_ready_grads": "689b9abfbebb4d4c",
+        f"{_OPTIMIZER}.ChainedOptimizer._step": "ec616e1da800e49f",
+        f"{_MOE}.RouterGatingLinearFunction.forward": "98b85eb43d9dae24",
+    }),
+})
+"""megatron-core version -> {:attr:`UpstreamMethod.name`: :func:`source_digest`}, for every
+version whose sources were re-checked against this module."""
+
+
+def installed_version() -> str:
+    """The installed megatron-core's version string."""
+    from importlib.metadata import version
+
+    return version("megatron-core")
+
+
+def source_digest(source: str) -> str:
+    """First 16 hex digits of the SHA-256 of ``source`` (a method's source, dedented)."""
+    return hashlib.sha256(textwrap.dedent(source).encode()).hexdigest()[:16]
+
+
+def _installed_source(method: UpstreamMethod) -> str:
+    obj = importlib.import_module(method.module)
+    for part in method.qualname.split("."):
+        obj = getattr(obj, part)
+    return inspect.getsource(obj)
+
+
+@functools.cache
+def installed_digests() -> Mapping[str, str]:
+    """:func:`source_digest` of every :data:`UPSTREAM_METHODS` entry as installed (a method the
+    installed megatron-core lacks reads as ``missing``)."""
+    out = {}
+    for method in UPSTREAM_METHODS:
+        try:
+            out[method.name] = source_digest(_installed_source(method))
+        except (ImportError, AttributeError, OSError, TypeError):
+            out[method.name] = "missing"
+    return MappingProxyType(out)
+
+
+def upstream_changes(*, digests: Mapping[str, str] | None = None,
+                     known: Mapping[str, Mapping[str, str]] = KNOWN_SOURCES) -> list[str]:
+    """One line per method of :data:`UPSTREAM_METHODS` whose source (``digests``, default: the
+    installed one) matches that method in none of the ``known`` versions, saying what to
+    re-check. Empty: every method is one this module was checked against."""
+    digests = installed_digests() if digests is None else digests
+    lines = []
+    for method in UPSTREAM_METHODS:
+        seen = [v for v, table in known.items() if table.get(method.name) == digests.get(method.name)]
+        if not seen:
+            lines.append(f"{method.name} (digest {digests.get(method.name)}) matches no checked version "
+                         f"({', '.join(known)}): re-check that it {method.recheck}")
+    return lines
+
+
+def check_upstream(*, digests: Mapping[str, str] | None = None,
+                   known: Mapping[str, Mapping[str, str]] = KNOWN_SOURCES) -> None:
+    """The version gate: raise ``RuntimeError`` naming every changed method (:func:`upstream_changes`)."""
+    changes = upstream_changes(digests=digests, known=known)
+    if changes:
+        raise RuntimeError(
+            f"CIERA all-gather: megatron-core {installed_version()} changed methods the binding patches or "
+            "relies on; re-check each, then record its digest in megatron.ciera.upstream_patch.KNOWN_SOURCES "
+            "(tests/megatron/test_mc_upstream_patch.py prints them):\n  " + "\n  ".join(changes))
+
+
+# ---------------------------------------------------------------------------------------------
+# The dispatch point
+# ---------------------------------------------------------------------------------------------
+def attach(bucket_group, state) -> None:
+    """Make ``bucket_group``'s gathers CIERA's: store ``state`` (an object with ``binding``, whose
+    ``request(state, ahead=...)`` returns the handle of the group's gathers or ``None`` when
+    nothing is due) and shadow ``start_param_sync`` with :func:`start_param_sync`. Runs the
+    version gate (:func:`check_upstream`) first."""
+    check_upstream()
+    if is_attached(bucket_group):
+        raise RuntimeError(f"CIERA already installed on bucket group {state.name}")
+    setattr(bucket_group, _STATE, state)
+    # An instance attribute shadows the class method: finish_param_sync, the prefetch chain and
+    # DistributedDataParallel.start_param_sync all call self.start_param_sync and reach this.
+    bucket_group.start_param_sync = start_param_sync.__get__(bucket_group)
+
+
+def detach(bucket_group) -> None:
+    """Restore upstream's ``start_param_sync`` (waits for a gather in flight first) and drop the state."""
+    finish_in_flight(bucket_group)
+    del bucket_group.start_param_sync
+    delattr(bucket_group, _STATE)
+
+
+def is_attached(bucket_group) -> bool:
+    """Whether :func:`attach` made this bucket group's gathers CIERA's."""
+    return hasattr(bucket_group, _STATE)
+
+
+def state_of(bucket_group):
+    """The state :func:`attach` stored on ``bucket_group``."""
+    return getattr(bucket_group, _STATE)
+
+
+def start_param_sync(bucket_group, force_sync: bool = False):
+    """Upstream ``start_param_sync``'s distributed-optimizer branch, with CIERA gathers.
+
+    A group no optimizer wrote since its last gather is not gathered again: its buffers already
+    hold what a gather would deliver (megatron-core's chained optimizers call this for every group
+    once per optimizer); the binding decides that (``request`` returns ``None``)."""
+    state = state_of(bucket_group)
+    post_sync = upstream_post_sync(bucket_group)
+    overlap = bucket_group.ddp_config.overlap_param_gather
+    # Copied from upstream: a forced sync finishes the gather in flight, if any, and stops there.
+    if force_sync:
+        if bucket_group.param_gather_handle is not None:
+            bucket_group.param_gather_handle.wait()
+            bucket_group.param_gather_handle = None
+            if post_sync is not None:
+                post_sync()
+            return
+    else:
+        # Prevents a second gather into the same buffers while one is in flight.
+        assert bucket_group.param_gather_handle is None
+
+    handle = state.binding.request(state, ahead=not overlap)
+    if handle is not None and overlap and not force_sync:
+        bucket_group.param_gather_handle = handle
+    else:
+        if handle is not None:
+            handle.wait()
+        bucket_group.param_gather_handle = None
+    if force_sync and overlap and post_sync is not None:
+        post_sync()
+    bucket_group.param_gather_dispatched = True
+
+
+def gather_in_flight(bucket_group) -> bool:
+    """Whether an asynchronous gather of ``bucket_group`` is started and not yet waited."""
+    return bucket_group.param_gather_handle is not None
+
+
+def finish_in_flight(bucket_group) -> None:
+    """Wait for ``bucket_group``'s asynchronous gather in flight, if any."""
+    if bucket_group.param_gather_handle is not None:
+        bucket_group.param_gather_handle.wait()
+        bucket_group.param_gather_handle = None
+
+
+def gather_dispatched(bucket_group) -> bool:
+    """Whether this iteration's gather of ``bucket_group`` was dispatched (upstream resets the flag
+    in ``finish_grad_sync``)."""
+    return bucket_group.param_gather_dispatched
+
+
+def bucket_groups(ddp_model) -> list[tuple[str, object]]:
+    """``(name, bucket group)`` of a DDP module: ``dense<i>`` then ``expert<i>``, in upstream's order."""
+    named = [(f"dense{i}", bg) for i, bg in enumerate(ddp_model.bucket_groups)]
+    named += [(f"expert{i}", bg) for i, bg in enumerate(getattr(ddp_model, "expert_parallel_bucket_groups", []))]
+    return named
+
+
+def gather_targets(bucket_group) -> tuple[object, list[torch.Tensor]]:
+    """``(process group, [param_data of each bucket])``: what upstream's gather of the group moves."""
+    return bucket_group.intra_distributed_optimizer_instance_group, [b.param_data for b in bucket_group.buckets]
+
+
+# ---------------------------------------------------------------------------------------------
+# The optimizer step
+# ---------------------------------------------------------------------------------------------
+def wrap_optimizer_steps(optimizer, owners: Callable[[torch.Tensor], list], on_step: Callable[[list], None]):
+    """Wrap each distributed optimizer's ``step_with_ready_grads`` (on the instance) so that it
+    calls ``on_step(owned)`` before it steps (and, in synchronous mode, gathers): ``owned`` is the
+    concatenation of ``owners(param_data)`` over the optimizer's parameter buffers. Returns the
+    wrapped optimizers (for :func:`unwrap_optimizer_steps`), or ``None`` when ``optimizer``
+    exposes no parameter buffers to map (nothing is wrapped then)."""
+    optimizers = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    todo = []
+    for opt in optimizers:
+        buffers = getattr(opt, "buffers", None)
+        if buffers is None or not hasattr(opt, "step_with_ready_grads"):
+            if getattr(opt, "is_stub_optimizer", False):
+                continue
+            return None
+        todo.append((opt, [o for buf in buffers for o in owners(buf.param_data)]))
+    if not any(owned for _, owned in todo):
+        return None
+    for opt, owned in todo:
+        original = opt.step_with_ready_grads
+
+        def step_with_ready_grads(*a, _original=original, _owned=tuple(owned), **k):
+            on_step(_owned)
+            return _original(*a, **k)
+
+        step_with_ready_grads.ciera_wrapped = original
+        opt.step_with_ready_grads = step_with_ready_grads
+    return [opt for opt, _ in todo]
+
+
+def unwrap_optimizer_steps(optimizers: Iterable) -> None:
+    """Undo :func:`wrap_optimizer_steps` on the optimizers it returned."""
+    for opt in optimizers:
+        original = getattr(opt.step_with_ready_grads, "ciera_wrapped", None)
+        if original is None:
+            continue
+        if getattr(original, "__self__", None) is opt and original.__func__ is getattr(type(opt), "step_with_ready_grads",
+                                                                                     None):
+            del opt.step_with_ready_grads  # the class method shows through again
+        else:
+            opt.step_with_ready_grads = original
+
+
+# ---------------------------------------------------------------------------------------------
+# Version differences
+# ---------------------------------------------------------------------------------------------
+def upstream_post_sync(bucket_group) -> Callable[[], None] | None:
+    """The post-gather step upstream's ``start_param_sync`` runs itself.
+
+    megatron-core 0.19.x ends a *forced* synchronous gather under ``overlap_param_gather`` with
+    ``bucket_group._post_param_sync()`` (quantized-parameter post-processing). 0.16.x has no such
+    method: its ``finish_param_sync`` and DDP do that inline, after calling ``start_param_sync``.
+    Returns the callable to run in that case, or ``None`` (0.16.x). Everything else this module
+    touches (``buckets``, ``param_data``, ``intra_distributed_optimizer_instance_group/_size/_rank``,
+    ``param_gather_handle``, ``param_gather_dispatched``, ``ddp_config``) is the same in both.
+    """
+    return getattr(bucket_group, "_post_param_sync", None)
+
+
+def fallback_reason(bucket_group, optimizer_config=None) -> str | None:
+    """Why this bucket group must keep upstream's all-gather, or ``None`` when CIERA can do it.
+
+    Checked with ``getattr`` defaults so that fields missing in one megatron-core version (e.g.
+    ``fp4_param_gather`` before 0.19) read as off."""
+    cfg = bucket_group.ddp_config
+    if not getattr(cfg, "use_distributed_optimizer", False):
+        return "layer-wise parameter gather (no distributed optimizer)"
+    for flag in ("fp8_param_gather", "fp4_param_gather", "reuse_grad_buf_for_mxfp8_param_ag",
+                 "use_megatron_fsdp", "use_custom_fsdp"):
+        if getattr(cfg, flag, False):
+            return f"ddp_config.{flag}"
+    if optimizer_config is not None and getattr(optimizer_config, "use_precision_aware_optimizer", False):
+        return "optimizer_config.use_precision_aware_optimizer"
+    if bucket_group.intra_distributed_optimizer_instance_size == 1:
+        return "single-rank gather group (nothing to send)"
+    for bucket in bucket_group.buckets:
+        data = bucket.param_data
+        if data is None:
+            return "bucket without a parameter buffer"
+        if data.dtype not in _GATHER_DTYPES:
+            return f"parameter buffer dtype {data.dtype} (fp8/fp4 storage)"
+        grad = getattr(bucket, "grad_data", None)
+        if grad is not None and grad.numel() and data.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr():
+            return "parameter buffer shared with the gradient buffer"
+    return None
+
+
+def define_missing_te_names() -> None:
+    """megatron-core 0.16.1 without transformer-engine: the MoE router tests ``te_general_gemm is
+    not None`` but the name is only bound when TE imports (NameError). Bind it to None, which is
+    what the check means. No-op with TE installed or on versions that define the name."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
