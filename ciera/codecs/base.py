@@ -207,6 +207,14 @@ class Codec(abc.ABC):
         """``decode_many_<impl>`` for tensors like ``t``, chosen as :meth:`_impl` chooses."""
         return self._impl("decode_many", t)
 
+    def implementation(self, which: str, *, like: torch.Tensor) -> str:
+        """The module whose ``<which>_<impl>`` runs ``which`` (``encode``, ``decode`` or
+        ``decode_many``) for tensors like ``like``: a ``ciera.codecs`` reference, a ``ciera.native``
+        or a ``ciera.kernels`` twin. For benchmarks and logs."""
+        if which not in ("encode", "decode", "decode_many"):
+            raise ValueError(f"{self.name}: implementation({which!r}): expected encode, decode or decode_many")
+        return self._impl(which, like).__module__
+
     def _check_state(self, state) -> None:
         """Raise when ``state`` is not what :meth:`new_state` returns for this codec."""
 

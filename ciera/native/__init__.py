@@ -108,4 +108,31 @@ def codec_module(name: str, *, required: bool = False) -> ModuleType | None:
     return importlib.import_module(f"{__name__}.{name}")
 
 
-__all__ = ["CODECS", "available", "codec_module", "library", "unavailable_reason"]
+def load_build(path) -> "ctypes.CDLL":
+    """Another build of the native library (e.g. an older commit's), its entry points declared
+    where it has them: for timing the C calls themselves (``tools/bench_native.py``)."""
+    import ctypes
+    from pathlib import Path
+
+    from . import _lib
+
+    lib = ctypes.CDLL(str(Path(path).resolve()))
+    _lib.declare(lib, missing_ok=True)
+    return lib
+
+
+def c_layout(codec) -> "ctypes.Structure":
+    """The C struct of ``codec``'s layout, as the library's entry points take it (pass
+    ``ctypes.addressof`` of it; keep the struct alive while they run)."""
+    return codec_module(codec.name, required=True)._c_layout(codec.layout)
+
+
+def raise_for(name: str, rc: int) -> None:
+    """Raise the library's error for a negative return code ``rc`` of a call on codec ``name``."""
+    from . import _lib
+
+    _lib.raise_for(name, rc)
+
+
+__all__ = ["CODECS", "available", "c_layout", "codec_module", "library", "load_build", "raise_for",
+           "unavailable_reason"]
