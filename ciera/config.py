@@ -11,6 +11,7 @@ import hashlib
 from dataclasses import dataclass
 
 CODECS = ("raw", "exponent_reuse", "delta", "auto")
+CACHES = ("exponents", "values", "none")
 SELECTIONS = ("auto", "always", "never")
 
 
@@ -58,12 +59,22 @@ class CieraConfig:
     predicted time of the other mode is better by this fraction (its first decision too: raw is
     the incumbent)."""
 
+    cache: str = "exponents"
+    """ZeRO-3 only (:mod:`ciera.zero3`: FSDP2, Megatron-FSDP's ``optim_grads_params``), where the
+    gathered buffer is freed after use: what each receiver keeps of the other ranks' shards between
+    gathers. ``exponents``: one byte per value (the exponent field; ``exponent_reuse`` only, sending
+    sign and mantissa every gather); ``values``: the gathered values themselves (any codec, ``delta``
+    included; a step's later gathers send nothing; costs the unsharded parameters' memory);
+    ``none``: nothing (every ZeRO-3 gather plain). Ignored by the persistent-buffer gather."""
+
     def __post_init__(self):
         def bad(msg):
             raise ValueError(f"CieraConfig: {msg}")
 
         if self.codec not in CODECS:
             bad(f"codec={self.codec!r}; expected one of {CODECS}")
+        if self.cache not in CACHES:
+            bad(f"cache={self.cache!r}; expected one of {CACHES}")
         if self.selection not in SELECTIONS:
             bad(f"selection={self.selection!r}; expected one of {SELECTIONS}")
         for name, lo, hi in (("block_size", 1, 4096), ("delta_block_size", 8, 4096)):

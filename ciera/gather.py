@@ -4,42 +4,49 @@ Layout, as in Megatron's distributed optimizer: rank ``r`` owns ``buffer[r*n:(r+
 ``n = numel // world``. Before each gather, the owner has overwritten its shard with new values
 and every other shard of ``buffer`` still holds the previous gather's values: that is the
 receivers' cache, so receivers keep no state at all. The sender keeps only what its codec needs
-of its own previous shard.
+of its own previous shard. (A buffer that does not persist between gathers, as in ZeRO-3, is
+handed in with :meth:`CieraAllGather.rebind`; its caller fills the other shards with what the
+codec's decode reads of the previous values: see :mod:`ciera.zero3`.)
 
-Protocol of one gather (see :mod:`ciera.agreement` for step 2):
+One gather walks four phases (:class:`Phase`), each step a public method:
 
-1. **Encode** (``prepare``): every rank encodes its shard into its own send buffer of the codec's
-   worst-case size (never overflows); the payload's size stays on the device.
-2. **Agree**: one small all-gather per process group, covering every bucket prepared together,
-   carries each rank's payload size and flags; the host reads that table once. From it every rank
-   derives the same plan for each bucket: compressed at ``size = max`` over ranks of the payload
-   sizes, or a plain all-gather when any rank asks for raw (warmup, invalidated, a local failure)
-   or when the largest payload would not be smaller than the shard itself.
-3. **Gather** (``start``): one collective of exactly ``size`` bytes per rank (or the plain one).
-4. **Decode** (``wait``): one :meth:`ciera.codecs.Codec.decode_many` call decodes the ``world - 1``
-   received payloads in place; their rows and offsets were written on the device at step 2.
+1. **Propose** (:meth:`CieraAllGather.propose`): every rank encodes its shard into its own send
+   buffer of the codec's worst-case size (never overflows), or says it sends raw, or that its shard
+   is unchanged since its last gather (a replay); the payload's size stays on the device.
+2. **Agree** (:mod:`ciera.agreement`): one small all-gather per process group, covering every
+   bucket prepared together, carries every rank's proposal; the host reads that table once and
+   every rank derives the same :class:`~ciera.agreement.Plan` (:meth:`CieraAllGather.apply`).
+3. **Launch** (:meth:`CieraAllGather.start`): one collective of exactly ``size`` bytes per rank (or
+   the plain one; none for a replay of a persistent buffer).
+4. **Decode** (``handle.wait()``): one :meth:`ciera.codecs.Codec.decode_many` call decodes the
+   ``world - 1`` received payloads in place; their rows and offsets were written on the device at
+   step 2.
 
-From step 2 to the end of ``wait()`` the compressed path reads nothing on the host and allocates
-nothing (``tests/distributed/test_host_reads.py`` fails if that changes). On CUDA the encodes run on
-one side stream per device; the buffers they use are marked with ``record_stream``.
+:meth:`CieraAllGather.prepare` and :meth:`CieraAllGather.prepare_many` run steps 1-2 for one bucket or
+for many with one agreement. From step 2 to the end of ``wait()`` the compressed path reads nothing
+on the host and allocates nothing (``tests/distributed/test_host_reads.py`` fails if that changes).
+On CUDA the encodes run on one side stream per device; the buffers they use are marked with
+``record_stream``.
 
 Invariant kept by every path: when ``wait()`` returns, ``buffer`` equals what
 ``all_gather_into_tensor`` would have produced, bit for bit, and the sender's codec state
 describes its shard. Failures cannot make ranks take different paths: a rank that failed locally
-says so in the next agreement and every rank then sends that bucket raw (see :mod:`ciera.agreement`).
+says so in the next agreement and every rank then sends that bucket raw.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import logging
 import time
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from .agreement import FLAG_FAILED, FLAG_RAW, Plan, agree_sizes
+from .agreement import FLAG_FAILED, FLAG_RAW, FLAG_REPLAY, RAW_PLAN, Plan, Proposal, exchange, plan_from_table
 from .codecs import HEADER_BYTES, Codec, PayloadHeader, make_codec
 from .codecs.base import align_up
 from .codecs.formats import FORMATS, as_bits, float_format
@@ -52,11 +59,34 @@ logger = logging.getLogger(__name__)
 
 _DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(FORMATS)}
 _CONCRETE_CODECS = ("exponent_reuse", "delta")
-_RAW_PLAN = Plan(raw=True)
 
 
 class CieraVerifyError(RuntimeError):
     """The gathered buffers of two ranks disagree: a cache was stale or a codec is broken."""
+
+
+class Phase(enum.Enum):
+    """Where one gather stands. ``IDLE -> PROPOSED -> AGREED -> IN_FLIGHT -> IDLE``; a proposal or a
+    plan not yet launched goes back to ``IDLE`` on ``invalidate()``; a gather that completes inside
+    ``start()`` (one rank, a replay of a persistent buffer) goes from ``AGREED`` to ``IDLE``."""
+
+    IDLE = "idle"
+    """Nothing prepared; ``start()`` would prepare first."""
+    PROPOSED = "proposed"
+    """This rank's proposal is made (encoded, raw or replay); the agreement comes next."""
+    AGREED = "agreed"
+    """The plan is known on every rank; ``start()`` launches it."""
+    IN_FLIGHT = "in flight"
+    """The collective is launched; ``wait()`` completes and decodes it."""
+
+
+_TRANSITIONS = {
+    Phase.IDLE: {Phase.PROPOSED},
+    Phase.PROPOSED: {Phase.AGREED, Phase.IDLE},
+    Phase.AGREED: {Phase.IN_FLIGHT, Phase.IDLE},
+    Phase.IN_FLIGHT: {Phase.IDLE},
+}
+"""The legal moves of :class:`Phase` (``tests/unit/test_gather_phases.py`` walks all of them)."""
 
 
 @functools.cache
@@ -99,6 +129,10 @@ class CieraAllGather:
         measurements: a :class:`ciera.selection.Measurements` shared by the gathers of ``group``,
             so that the link and the codec speeds the cost model needs are measured once per group,
             at construction (``selection='auto'`` or ``codec='auto'``); a private one when omitted.
+        persistent: ``True`` (default) when ``buffer`` keeps its values between gathers (the
+            distributed optimizer's buffer): a replay then needs no collective. ``False`` when the
+            caller hands a new buffer to every gather (:meth:`rebind`): a replay sends the previous
+            payloads again.
 
     Construction is collective over ``group``: it checks that every rank passed the same config,
     dtype and size, and fails with a clear error otherwise.
@@ -109,14 +143,13 @@ class CieraAllGather:
     """
 
     def __init__(self, buffer: torch.Tensor, *, group=None, config: CieraConfig | None = None,
-                 name: str = "bucket", measurements: Measurements | None = None):
+                 name: str = "bucket", measurements: Measurements | None = None, persistent: bool = True):
         config = CieraConfig() if config is None else config
         if not isinstance(config, CieraConfig):
             raise TypeError(f"{name}: config must be a CieraConfig, got {type(config).__name__}")
-        if not isinstance(buffer, torch.Tensor) or buffer.dim() != 1 or not buffer.is_contiguous():
-            raise ValueError(f"{name}: buffer must be a flat contiguous tensor")
-        float_format(buffer.dtype)  # clear error for unsupported dtypes
+        self._check_buffer(buffer, name)
         self.buffer, self.group, self.config, self.name = buffer, group, config, name
+        self.persistent = persistent
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         if buffer.numel() % self.world:
@@ -131,6 +164,10 @@ class CieraAllGather:
         self._check_agreement()
 
         self._codecs: dict[str, Codec] = {c: self._make_codec(c) for c in self._candidate_codecs()}
+        bad = [n for n, c in self._codecs.items() if c.reads_previous == "values"]
+        if not persistent and bad:
+            raise ValueError(f"{name}: codec(s) {bad} decode by adding to the previous values, so they need a "
+                             f"persistent buffer (with persistent=False choose codec='exponent_reuse')")
         self._codec_name: str | None = next(iter(self._codecs), None)
         self._state = None  # sender state of self._codec_name, valid iff self._raw_left == 0
         self._raw_left = config.warmup_gathers
@@ -138,10 +175,12 @@ class CieraAllGather:
         self._stats = GatherStats(codec="raw")
         self._encode_timer = SectionTimer(buffer.device)
         self._decode_timer = SectionTimer(buffer.device)
-        self._started = 0
-        self._encoded: tuple[str, object] | None = None  # (mode, cuda event) of the encode in flight
-        self._plan: Plan | None = None  # agreed plan of the next start()
-        self._pending: GatherHandle | None = None
+        self._started = 0  # fresh (non-replay) gathers proposed: the selector's schedule counts these
+        self._phase = Phase.IDLE
+        self._proposed: tuple[str, object] | None = None  # PROPOSED: (mode, cuda event of the encode)
+        self._plan: Plan | None = None  # AGREED / IN_FLIGHT: the plan being carried out
+        self._last_plan: Plan | None = None  # the last fresh plan: what a replay repeats
+        self._pending: GatherHandle | None = None  # IN_FLIGHT
         dev = buffer.device
         # Persistent buffers: the send payload at the codec's worst case (so it never overflows);
         # the receive buffer grows only at an agreement; rows/offsets of the other ranks' payloads.
@@ -163,27 +202,103 @@ class CieraAllGather:
 
     # -- public API ------------------------------------------------------------------------------
     @staticmethod
-    def prepare_many(gathers, *, group=None) -> list[Plan]:
-        """:meth:`prepare` for many gathers of ``group`` with ONE size agreement
-        (:func:`ciera.agreement.agree_sizes`)."""
-        return agree_sizes(gathers, group=group)
+    def prepare_many(gathers: Sequence["CieraAllGather"], *, group=None) -> list[Plan]:
+        """Steps 1-2 for many gathers of ``group`` with ONE agreement: every gather proposes
+        (encodes), one collective carries all the proposals, every gather applies its plan.
+        Collective over ``group``: every rank passes its gathers of that group in the same order.
+        Returns the plans (for tests and logs)."""
+        return _prepare(list(gathers), group=group, replays=None)
 
-    def prepare(self) -> None:
-        """Encode this rank's shard now and agree the sizes of this bucket alone (one small
-        collective; the host reads it). Call once the shard holds its new values (right after the
-        optimizer step). To prepare many buckets with ONE agreement use
-        :func:`ciera.agreement.agree_sizes`. Optional: ``start()`` prepares when this was not called."""
-        if self._plan is None:
-            agree_sizes([self], group=self.group)
+    def prepare(self, *, replay: torch.Tensor | None = None) -> None:
+        """Steps 1-2 for this bucket alone (one small collective; the host reads it). Call once the
+        shard holds its new values (right after the optimizer step). Optional: ``start()`` prepares
+        when this was not called.
+
+        ``replay``: the caller's word that this rank's shard has not changed since its last gather,
+        as a 0-d int64 device tensor counting the values that did change (expected 0; not read here).
+        Nothing is encoded; when every rank replays, the last plan is repeated. A rank whose count
+        is not 0 is treated as failed: the gather is raw on every rank, never stale."""
+        if self._phase is Phase.IDLE:
+            _prepare([self], group=self.group, replays=[replay])
+
+    def propose(self, *, replay: torch.Tensor | None = None) -> Proposal:
+        """Step 1: this rank's proposal. Encodes the shard (on CUDA on the side stream) unless it
+        sends raw or ``replay`` is given (see :meth:`prepare`). Never raises for a codec failure:
+        it is reported as ``FLAG_FAILED`` so that every rank learns it in the agreement."""
+        self._move(Phase.PROPOSED, "propose()")
+        if replay is not None:
+            self._proposed = ("replay", None)
+            return Proposal(FLAG_REPLAY, replay.to(torch.int64).reshape(()))
+        try:
+            mode = self._choose_mode()  # also after a failure: the selector's schedule stays rank-identical
+            self._started += 1
+            if self._failed:
+                self._proposed = ("raw", None)
+                return Proposal(FLAG_FAILED, self._needed)
+            if mode == "raw":
+                self._proposed = ("raw", None)
+                return Proposal(FLAG_RAW, self._needed)
+            self._proposed = (mode, self._encode(mode))
+            return Proposal(self._codecs[mode].codec_id, self._needed)
+        except Exception:
+            logger.exception("%s: encoding failed on rank %d; this gather is sent raw on every rank",
+                             self.name, self.rank)
+            self._fail()
+            self._proposed = ("raw", None)
+            return Proposal(FLAG_FAILED, self._needed)
+
+    def quiet_raw(self) -> bool:
+        """Selection has chosen raw and its schedule has nothing due at this gather (no snapshot, no
+        decision): preparing it is bookkeeping only, no encode and no agreement (the fast path of
+        :meth:`prepare_many`). Rank-identical, like :meth:`raw_by_selection`."""
+        return (self._phase is Phase.IDLE and self.raw_by_selection()
+                and not self.selector.due(self._started))
+
+    def raw_by_selection(self) -> bool:
+        """Selection has chosen raw for this bucket (rank-identical: the selector's inputs are
+        agreed). A local failure meanwhile stays pending and is reported at the next agreement."""
+        return bool(self._codecs) and self.selector is not None and self._codec_name is None
+
+    def apply(self, plan: Plan) -> None:
+        """Step 2's result: take the agreed plan (a replay becomes the last plan again); on a
+        compressed plan write the payload offsets on the device and make sure the receive buffer
+        holds ``world x size`` bytes."""
+        self._move(Phase.AGREED, "apply()")
+        mode, _ = self._proposed or ("raw", None)
+        self._proposed = None
+        if plan.failed_ranks:
+            if not self._failed:
+                logger.warning("%s: rank(s) %s failed or changed a shard claimed unchanged; gathering raw on "
+                               "every rank", self.name, list(plan.failed_ranks))
+            self._stats.failures += 1
+            self._failed = False
+            self.invalidate(keep_phase=True)
+        if plan.replay:
+            plan = dataclasses.replace(self._last_plan or RAW_PLAN, replay=True)
+        elif plan.raw:  # receivers will hold this shard exactly
+            self._refresh_state_for_raw()
+        elif mode != plan.codec_name:  # cannot happen: the plan is compressed only if every rank encoded it
+            raise RuntimeError(f"{self.name}: agreed codec {plan.codec_name} but rank {self.rank} proposed {mode}")
+        if not plan.raw and not (plan.replay and self.persistent):
+            need = self.world * plan.size
+            if self._recv.numel() < need:  # grows at agreements only, with 1/8 slack against regrowth
+                self._recv = torch.empty(align_up(need + need // 8), dtype=torch.uint8, device=self.buffer.device)
+            torch.mul(self._rows, plan.size, out=self._offsets)
+        if not plan.replay:
+            self._last_plan = plan
+        self._plan = plan
 
     def start(self) -> GatherHandle | _DoneHandle:
-        """Launch the agreed collective (preparing first if needed). Returns a handle; call
+        """Step 3: launch the agreed collective (preparing first if needed). Returns a handle; call
         ``wait()`` on it before reading the other shards or starting the next gather."""
-        self._check_idle("start()")
+        if self._phase is Phase.IN_FLIGHT:
+            raise RuntimeError(f"{self.name}: start() called while the previous gather is not waited on")
         self.prepare()
-        plan, self._plan = self._plan, None
-        if self.world == 1:
-            self._account(plan, wire=self._raw_bucket_bytes())
+        plan = self._plan
+        if self.world == 1 or (plan.replay and self.persistent):  # the buffer already holds everything
+            self._plan = None
+            self._move(Phase.IDLE, "start()")
+            self._account(plan, wire=self._wire_bytes(plan))
             return _DoneHandle()
         try:
             launched = time.perf_counter()
@@ -193,22 +308,53 @@ class CieraAllGather:
                 work = all_gather_into(self._recv[: self.world * plan.size], self._send[: plan.size],
                                        group=self.group, async_op=True)
         except BaseException:
+            self._plan = None
+            self._move(Phase.IDLE, "start()")
             self._fail()
             raise
+        self._move(Phase.IN_FLIGHT, "start()")
         self._pending = GatherHandle(self, work, plan, launched)
         return self._pending
 
-    def invalidate(self) -> None:
+    def rebind(self, buffer: torch.Tensor) -> None:
+        """Gather into ``buffer`` from now on (same dtype and size; only while idle). For callers
+        whose buffers do not persist between gathers (``persistent=False``): before each gather the
+        caller writes this rank's shard and, in the other shards, what the codec's decode reads of
+        their previous values (for ``exponent_reuse``: the exponents)."""
+        self._check_buffer(buffer, self.name)
+        if buffer.dtype != self.buffer.dtype or buffer.numel() != self.buffer.numel():
+            raise ValueError(f"{self.name}: rebind() needs {self.buffer.numel()} {self.buffer.dtype} values, "
+                             f"got {buffer.numel()} {buffer.dtype}")
+        if self._phase is not Phase.IDLE:
+            raise RuntimeError(f"{self.name}: rebind() called while a gather is {self._phase.value}")
+        self.buffer = buffer
+        self._shards = buffer.view(self.world, self.shard_numel)
+        self._shard = self._shards[self.rank]
+
+    def invalidate(self, *, keep_phase: bool = False) -> None:
         """Forget all cached state: the next ``config.warmup_gathers`` gathers are sent raw.
 
         Call after ANY write to ``buffer`` outside the gather (checkpoint load, parameter
         broadcast, offload/reload): receivers' caches would otherwise be stale. A rank that
         invalidates makes the next gather raw on every rank of the group (it says so in the
-        agreement). Buffers an encode in flight still uses stay alive (``record_stream``)."""
+        agreement). A proposal or plan not yet launched is dropped. Buffers an encode in flight
+        still uses stay alive (``record_stream``)."""
         self._raw_left = max(self._raw_left, self.config.warmup_gathers)
         self._state = None
-        self._encoded = None  # a payload encoded before the write would be stale
-        self._plan = None
+        self._last_plan = None  # nothing to replay: the next fresh gather is raw
+        if not keep_phase and self._phase in (Phase.PROPOSED, Phase.AGREED):
+            self._proposed = self._plan = None  # a payload encoded before the write would be stale
+            self._move(Phase.IDLE, "invalidate()")
+
+    @property
+    def phase(self) -> Phase:
+        """Where the gather stands (:class:`Phase`)."""
+        return self._phase
+
+    @property
+    def plan(self) -> Plan | None:
+        """The agreed plan of the next ``start()`` (``AGREED``) or of the gather in flight."""
+        return self._plan
 
     @property
     def stats(self) -> GatherStats:
@@ -222,70 +368,24 @@ class CieraAllGather:
         """The codec compressed gathers use now (``None`` when this gather never compresses)."""
         return self._codecs.get(self._codec_name) if self._codec_name else None
 
-    # -- protocol steps used by ciera.agreement --------------------------------------------------
-    def _encode_local(self) -> tuple[int, torch.Tensor]:
-        """Step 1: choose this rank's proposal and encode. Returns ``(flags, needed)``: ``needed``
-        is a 0-d int64 device tensor (not read here). Never raises: a failure is reported as
-        ``FLAG_FAILED`` so that every rank learns it in the agreement."""
-        self._check_idle("prepare()")
-        try:
-            mode = self._choose_mode()  # also after a failure: the selector's schedule stays rank-identical
-            self._started += 1
-            if self._failed:
-                return FLAG_FAILED, self._needed
-            if mode == "raw":
-                self._encoded = ("raw", None)
-                return FLAG_RAW, self._needed
-            self._encoded = (mode, self._encode(mode))
-            return self._codecs[mode].codec_id, self._needed
-        except Exception:
-            logger.exception("%s: encoding failed on rank %d; this gather is sent raw on every rank",
-                             self.name, self.rank)
-            self._fail()
-            return FLAG_FAILED, self._needed
+    @property
+    def codecs(self) -> dict[str, Codec]:
+        """The codecs this gather may use (empty when it never compresses)."""
+        return dict(self._codecs)
 
-    def _quiet_raw(self) -> bool:
-        """Selection has chosen raw and its schedule has nothing due at this gather (no snapshot,
-        no decision): preparing it is bookkeeping only, no encode and no agreement (the fast path of
-        :func:`ciera.agreement.agree_sizes`). Rank-identical, like :meth:`_raw_by_selection`."""
-        return (self._plan is None and self._raw_by_selection() and not self.selector.due(self._started)
-                and self._idle())
+    # -- phase bookkeeping -------------------------------------------------------------------------
+    def _move(self, to: Phase, what: str) -> None:
+        if to not in _TRANSITIONS[self._phase]:
+            raise RuntimeError(f"{self.name}: {what} is not allowed while the gather is {self._phase.value} "
+                               f"(legal next phases: {sorted(p.value for p in _TRANSITIONS[self._phase])})")
+        self._phase = to
 
-    def _take_quiet_raw(self) -> Plan:
-        """For a :meth:`_quiet_raw` gather, what ``_encode_local`` then ``_apply_plan`` of a raw plan
-        would do, without their calls (a local failure stays pending, as on that path)."""
-        self._started += 1
-        self._encoded = None
-        self._plan = _RAW_PLAN
-        return _RAW_PLAN
+    @staticmethod
+    def _check_buffer(buffer, name: str) -> None:
+        if not isinstance(buffer, torch.Tensor) or buffer.dim() != 1 or not buffer.is_contiguous():
+            raise ValueError(f"{name}: buffer must be a flat contiguous tensor")
+        float_format(buffer.dtype)  # clear error for unsupported dtypes
 
-    def _raw_by_selection(self) -> bool:
-        """Selection has chosen raw for this bucket (rank-identical: the selector's inputs are
-        agreed). A local failure meanwhile stays pending and is reported at the next agreement."""
-        return bool(self._codecs) and self.selector is not None and self._codec_name is None
-
-    def _apply_plan(self, plan: Plan) -> None:
-        """Step 2's result: remember the plan; on a compressed plan write the payload offsets on
-        the device and make sure the receive buffer holds ``world x size`` bytes."""
-        mode, _ = self._encoded or ("raw", None)
-        self._encoded = None
-        if plan.failed_ranks:
-            if not self._failed:
-                logger.warning("%s: rank(s) %s failed in a previous step; gathering raw on every rank",
-                               self.name, list(plan.failed_ranks))
-            self._stats.failures += 1
-            self._failed = False
-            self.invalidate()
-        if plan.raw:
-            self._refresh_state_for_raw()
-        else:
-            if mode != plan.codec_name:  # cannot happen: the plan is compressed only if every rank encoded
-                raise RuntimeError(f"{self.name}: agreed codec {plan.codec} but rank {self.rank} encoded {mode}")
-            need = self.world * plan.size
-            if self._recv.numel() < need:  # grows at agreements only, with 1/8 slack against regrowth
-                self._recv = torch.empty(align_up(need + need // 8), dtype=torch.uint8, device=self.buffer.device)
-            torch.mul(self._rows, plan.size, out=self._offsets)
-        self._plan = plan
 
     # -- construction helpers --------------------------------------------------------------------
     def _candidate_codecs(self) -> list[str]:
@@ -323,14 +423,6 @@ class CieraAllGather:
                     )
 
     # -- per-gather decisions ----------------------------------------------------------------------
-    def _idle(self) -> bool:
-        """No gather of this bucket is in flight (the previous one was waited on)."""
-        return self._pending is None or self._pending._done
-
-    def _check_idle(self, what: str) -> None:
-        if not self._idle():
-            raise RuntimeError(f"{self.name}: {what} called while the previous gather is not waited on")
-
     def _choose_mode(self) -> str:
         """'raw' or the codec this rank proposes. Every input is rank-identical except a local
         ``invalidate()``, and the agreement turns any rank's 'raw' into raw everywhere."""
@@ -402,28 +494,37 @@ class CieraAllGather:
         """A local failure: caches are undefined here, so the next agreement makes the bucket raw on
         every rank."""
         self._failed = True
-        self.invalidate()
+        self.invalidate(keep_phase=True)
 
     # -- completion ----------------------------------------------------------------------------------
     def _finish(self, work, plan: Plan, launched: float) -> None:
+        """Step 4: wait for the collective, decode, count; back to ``IDLE`` whatever happens."""
         try:
             work.wait()
             self._stats.comm_s += time.perf_counter() - launched
             if plan.raw:
-                self._raw_left = max(0, self._raw_left - 1)
-                wire = self._raw_bucket_bytes()
+                if not plan.replay:
+                    self._raw_left = max(0, self._raw_left - 1)
             else:
                 codec = self._codecs[plan.codec_name]
                 token = self._decode_timer.start()
                 codec.decode_many(payloads=self._recv[: self.world * plan.size], rows=self._rows,
                                   offsets=self._offsets, targets=self._shards)
                 self._decode_timer.stop(token)
-                wire = self.world * plan.size
-            self._account(plan, wire=wire)
+            self._account(plan, wire=self._wire_bytes(plan))
             self._maybe_verify()
         except BaseException:
             self._fail()
             raise
+        finally:
+            self._plan = self._pending = None
+            self._move(Phase.IDLE, "wait()")
+
+    def _wire_bytes(self, plan: Plan) -> int:
+        """Bytes the plan delivers to this rank (a replay of a persistent buffer: none)."""
+        if self.world == 1 or (plan.replay and self.persistent):
+            return 0 if plan.replay else self._raw_bucket_bytes()
+        return self._raw_bucket_bytes() if plan.raw else self.world * plan.size
 
     def _raw_bucket_bytes(self) -> int:
         return self._raw_bytes
@@ -433,7 +534,9 @@ class CieraAllGather:
         s.gathers += 1
         s.raw_bytes += self._raw_bucket_bytes()
         s.wire_bytes += wire
-        if plan.raw:
+        if plan.replay:  # counted apart: the fresh gather it repeats was counted already
+            s.replays += 1
+        elif plan.raw:
             s.raw_gathers += 1
         else:
             s.compressed_gathers += 1
@@ -448,6 +551,54 @@ class CieraAllGather:
         every = self.config.verify_interval
         if every and self._stats.gathers % every == 0:
             verify_replicas(self.buffer, group=self.group, name=self.name, salt=self._stats.gathers)
+
+
+def _prepare(gathers: list[CieraAllGather], *, group, replays) -> list[Plan]:
+    """Propose, agree in one collective, apply: the protocol's steps 1-2 for ``gathers``."""
+    if not gathers:
+        return []
+    if any(g.group is not group and g.group != group for g in gathers):
+        raise ValueError("prepare_many: every gather must belong to the given group")
+    again = [g.name for g in gathers if g.phase is not Phase.IDLE]
+    if again:  # encoding twice would advance the sender state past what receivers hold
+        raise RuntimeError(f"prepare_many: {again} are already prepared or in flight; start() and wait() them first")
+    replays = replays or [None] * len(gathers)
+    fresh = all(r is None for r in replays)
+    if fresh and all(g.quiet_raw() for g in gathers):  # selection's raw, nothing due: a plain gather
+        for g in gathers:  # follows and needs no table (a local failure stays pending, reported later)
+            g._started += 1
+            g._move(Phase.PROPOSED, "prepare()")
+            g.apply(RAW_PLAN)
+        return [RAW_PLAN] * len(gathers)
+    world = gathers[0].world
+    if world == 1:
+        for g, r in zip(gathers, replays):
+            g.propose(replay=r)
+            g.apply(RAW_PLAN)
+        return [RAW_PLAN] * len(gathers)
+    chose_raw = [g.raw_by_selection() for g in gathers]
+    proposals = [g.propose(replay=r) for g, r in zip(gathers, replays)]  # encodes queue on the side stream
+    if fresh and all(chose_raw) and all(g.raw_by_selection() for g in gathers):
+        # Selection chose raw for every bucket, before and after this gather's decision point. That
+        # choice is agreed across ranks (the selector agrees its inputs), so every rank takes this
+        # branch together: the plain gather needs no size table. (A rank's local failure, FLAG_FAILED,
+        # stays pending in that gather and reaches the others at the next agreement.)
+        for g in gathers:
+            g.apply(RAW_PLAN)
+        return [RAW_PLAN] * len(gathers)
+    device = gathers[0].buffer.device
+    for g in gathers:  # the sizes are written on the side stream
+        event = g._proposed[1] if g._proposed else None
+        if event is not None:
+            torch.cuda.current_stream(device).wait_event(event)
+    table = exchange(proposals, group=group, world=world, device=device)
+    plans = []
+    for g, column in zip(gathers, table):
+        plan = plan_from_table(column, codec_names={c.codec_id: n for n, c in g._codecs.items()},
+                               shard_bytes=g._raw_bucket_bytes() // world, name=g.name)
+        g.apply(plan)
+        plans.append(g.plan)
+    return plans
 
 
 _MIX = (-0x40A7B892E31B1A47, -0x6B2FB644ECCEEE15)  # splitmix64 finalizer constants (as int64)

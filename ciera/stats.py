@@ -41,6 +41,9 @@ class GatherStats:
     overflows: int = 0
     """Always 0: payloads are sent at their agreed exact size and never overflow (kept so that logs
     and tools reading it keep working)."""
+    replays: int = 0
+    """Gathers that repeated the previous plan because no rank's shard had changed (ZeRO-3's
+    gathers after the first of a step): no encode; a persistent buffer sends nothing at all."""
     failures: int = 0
     """Gathers sent raw on every rank because some rank reported a local failure."""
     encode_s: float = 0.0

@@ -107,6 +107,10 @@ class Codec(abc.ABC):
 
     name: ClassVar[str]
     codec_id: ClassVar[int]
+    reads_previous: ClassVar[str] = "values"
+    """What ``decode`` reads of a target's previous contents: ``"values"`` (it adds to them),
+    ``"exponents"`` (only the exponent bits; decoding the same payload twice gives the same
+    values), or ``"nothing"``. A receiver cache must keep at least this."""
 
     def __init__(self, *, dtype: torch.dtype, numel: int, backend: str = "auto"):
         if numel < 0:

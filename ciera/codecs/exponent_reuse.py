@@ -181,6 +181,7 @@ class ExponentReuseCodec(Codec):
 
     name = "exponent_reuse"
     codec_id = 1
+    reads_previous = "exponents"
     encode_reference = staticmethod(encode_reference)
     decode_reference = staticmethod(decode_reference)
     decode_many_reference = staticmethod(decode_many_reference)

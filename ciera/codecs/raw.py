@@ -14,6 +14,7 @@ class RawCodec(Codec):
 
     name = "raw"
     codec_id = 0
+    reads_previous = "nothing"
 
     def __init__(self, *, dtype: torch.dtype, numel: int, backend: str = "auto", block_size: int = 1):
         super().__init__(dtype=dtype, numel=numel, backend=backend)

@@ -179,7 +179,7 @@ def _stats_worker(rank, world):
     for _ in range(12):
         buf.view(world, -1)[rank].copy_(traj.step())
         gather.prepare()
-        plan = gather._plan
+        plan = gather.plan
         needed = torch.tensor([int(gather._needed)])
         everyone = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
         dist.all_gather(everyone, needed)
@@ -282,7 +282,7 @@ def _failure_worker(rank, world):
             failing("decode_many", RuntimeError("injected decode failure"))
         dist.all_gather_into_tensor(ref, x)  # every rank, also where the gather below raises
         gather.prepare()
-        plans.append(gather._plan.raw)
+        plans.append(gather.plan.raw)
         try:
             gather.start().wait()
         except RuntimeError as e:

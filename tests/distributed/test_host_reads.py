@@ -130,7 +130,7 @@ def _run(rank, world, codec, inject, steps=8, shard=2048):
         x = traj.step()
         buf.view(world, -1)[rank].copy_(x)
         CieraAllGather.prepare_many([gather])  # the size agreement: host reads allowed up to here
-        raw = gather._plan.raw
+        raw = gather.plan.raw
         try:
             with watching(guard):
                 gather.start().wait()

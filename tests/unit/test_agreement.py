@@ -29,3 +29,13 @@ def test_a_shard_that_would_not_shrink_is_sent_raw():
 def test_disagreeing_codecs_are_an_error_naming_the_bucket():
     with pytest.raises(RuntimeError, match="b0: ranks propose different codecs"):
         plan([(1, 100), (2, 100)])
+
+
+def test_replays_repeat_the_last_plan_only_when_every_rank_replays_unchanged():
+    from ciera.agreement import FLAG_REPLAY, REPLAY_PLAN
+
+    assert plan([(FLAG_REPLAY, 0), (FLAG_REPLAY, 0)]) == REPLAY_PLAN
+    assert plan([(FLAG_REPLAY, 0), (2, 100)]) == Plan(raw=True)  # mixed: raw, nobody decodes a stale payload
+    # a rank that claimed its shard unchanged but changed 3 values: its failure, raw everywhere
+    assert plan([(FLAG_REPLAY, 0), (FLAG_REPLAY, 3)]) == Plan(raw=True, failed_ranks=(1,))
+    assert plan([(FLAG_FAILED, 0), (FLAG_REPLAY, 3)]) == Plan(raw=True, failed_ranks=(0, 1))

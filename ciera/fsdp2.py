@@ -1,0 +1,127 @@
+"""CIERA for PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``): one call, plain PyTorch.
+
+::
+
+    from torch.distributed.fsdp import fully_shard
+    import ciera.fsdp2
+
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ciera_gathers = ciera.fsdp2.enable(model, optimizer=optimizer)   # before the first forward
+    ...                                                                # train as before
+    print(ciera_gathers.stats())                                       # bytes saved
+
+Every FSDP unit of ``model`` gets its own :class:`ciera.zero3.Zero3Gather` through FSDP2's documented
+hook ``FSDPModule.set_custom_all_gather``. With ``optimizer`` given, each unit's shard is encoded
+once per optimizer step and the step's later gathers (backward, further micro-batches) replay; without
+it, every gather encodes. Training is bit-identical to FSDP2's own gather.
+
+Needs torch with ``FSDPModule.set_custom_all_gather`` (2.7 or later).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import CieraConfig
+from .selection import Measurements
+from .stats import GatherStats
+from .zero3 import Zero3Gather
+
+try:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+except ImportError:  # pragma: no cover - torch without FSDP2's custom comm hook
+    FSDPModule = AllGather = None
+
+
+class CieraFsdpAllGather(AllGather if AllGather is not None else object):
+    """FSDP2's ``AllGather`` comm interface over one :class:`Zero3Gather`."""
+
+    def __init__(self, gather: Zero3Gather):
+        self.gather = gather
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The buffer FSDP2 gathers into (``cache='values'``: the persistent cache itself)."""
+        return self.gather.allocate(numel=math.prod(int(s) for s in size), dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, async_op: bool = False):
+        """The gather completes here (decoded before this returns; on CUDA in stream order), so
+        there is no work handle to return."""
+        self.gather.gather(output=output_tensor, input=input_tensor, group=group)
+        return None
+
+
+@dataclass
+class Fsdp2Gathers:
+    """What :func:`enable` installed: one :class:`Zero3Gather` per FSDP unit, by module name."""
+
+    gathers: dict[str, Zero3Gather]
+    """Unit name (``""`` for the root) -> its gather."""
+    _hooks: list = field(default_factory=list)
+
+    def step(self) -> None:
+        """Every unit's shard changed (the optimizer hook calls this; call it yourself after any
+        other rank-wide update of the parameters when no optimizer was given to :func:`enable`)."""
+        for g in self.gathers.values():
+            g.step()
+
+    def invalidate(self) -> None:
+        """After loading a checkpoint or any other write to the sharded parameters: the next gather
+        of every unit is raw and refills the caches."""
+        for g in self.gathers.values():
+            g.invalidate()
+
+    def stats(self) -> GatherStats:
+        """The units' counters summed (``codec``: the last unit's)."""
+        total = GatherStats(codec="raw")
+        for g in self.gathers.values():
+            s = g.stats
+            for f in vars(total):
+                if f != "codec":
+                    setattr(total, f, getattr(total, f) + getattr(s, f))
+            if s.compressed_gathers:
+                total.codec = s.codec
+        return total
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes this rank keeps between gathers, all units (known after the first forward)."""
+        return sum(g.cache_bytes for g in self.gathers.values())
+
+    def remove(self) -> None:
+        """Detach the optimizer hook (the units keep CIERA's comm until re-sharded)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+def enable(model: torch.nn.Module, *, config: CieraConfig | None = None, optimizer=None,
+           group=None) -> Fsdp2Gathers:
+    """Install CIERA's gather on every FSDP2 unit of ``model`` (after ``fully_shard``, before the
+    first forward). ``optimizer``: a ``torch.optim.Optimizer`` whose ``step()`` updates the units'
+    parameters on every rank; each unit then encodes once per step. ``group``: the process group
+    FSDP2 shards over (default: taken from each call). Returns the installed gathers."""
+    if FSDPModule is None:
+        raise RuntimeError("ciera.fsdp2 needs torch's FSDP2 custom all-gather hook "
+                           "(torch.distributed.fsdp.FSDPModule.set_custom_all_gather, torch >= 2.7)")
+    config = CieraConfig() if config is None else config
+    measurements = Measurements()  # one link / codec measurement for every unit of the group
+    gathers: dict[str, Zero3Gather] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            gather = Zero3Gather(group=group, config=config, name=f"fsdp2:{name or 'root'}",
+                                 stepped=optimizer is not None, measurements=measurements)
+            module.set_custom_all_gather(CieraFsdpAllGather(gather))
+            gathers[name] = gather
+    if not gathers:
+        raise ValueError("ciera.fsdp2.enable: no FSDP2 unit in the model: call fully_shard() on it first")
+    out = Fsdp2Gathers(gathers)
+    if optimizer is not None:
+        out._hooks.append(optimizer.register_step_post_hook(lambda *_: out.step()))
+    return out

@@ -1,0 +1,231 @@
+"""CIERA where the gathered buffer does not persist: ZeRO-3 (FSDP2, Megatron-FSDP's ZeRO-3).
+
+Under ZeRO-3 only the shard persists. Each gather gets a buffer from the engine, the engine copies
+the unsharded parameters out of it and frees it; the same shard is gathered again in the backward
+(and once more per micro-batch). :class:`Zero3Gather` keeps what CIERA needs across those freed
+buffers and encodes each shard **once per optimizer step**:
+
+* **Receiver cache** (``CieraConfig.cache``): ``exponents`` keeps one byte per value of every
+  rank's shard (the paper's design); the payloads are ``exponent_reuse``'s, whose decode reads
+  nothing of a target but its exponents, so each gather's fresh buffer is seeded with the cached
+  exponents and decoded in place. ``values`` keeps the gathered values (the engine is handed the
+  same persistent buffer every time, :meth:`Zero3Gather.allocate`): any codec, ``delta``
+  included. ``none`` keeps nothing: every gather is plain.
+* **Once per step**: after :meth:`Zero3Gather.step` (the optimizer changed the shard) the next
+  gather is *fresh*: encoded and agreed as in :class:`ciera.CieraAllGather`. Every later gather of
+  the step is a *replay*: nothing is encoded; every rank says its shard is unchanged, with the
+  count of values that changed after all computed on the device against a copy of what it sent
+  (expected 0). When all ranks replay, ``exponents`` sends the same payloads again (decoding them a
+  second time gives the same values) and ``values`` sends nothing: the cache already holds the
+  step's values. A rank whose shard did change is treated as failed: the gather is raw
+  everywhere, never stale.
+
+Without :meth:`Zero3Gather.step` calls (``stepped=False``) every gather is fresh: still exact,
+encoded at every gather.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import torch
+import torch.distributed as dist
+
+from .codecs.formats import FORMATS, as_bits, float_format
+from .comm import all_gather_into
+from .config import CieraConfig
+from .gather import CieraAllGather
+from .selection import Measurements
+from .stats import GatherStats
+
+logger = logging.getLogger(__name__)
+
+
+class Zero3Gather:
+    """Compressed, bit-exact ZeRO-3 all-gather of one parameter group (one FSDP unit).
+
+    Args:
+        group: the process group the engine gathers over (checked at every call).
+        config: a :class:`CieraConfig`, equal on every rank; ``config.cache`` picks the receiver
+            cache. ``cache='exponents'`` needs ``codec`` ``exponent_reuse`` or ``auto`` (which then
+            chooses between raw and ``exponent_reuse`` only).
+        name: for logs and errors.
+        stepped: ``True`` when the caller calls :meth:`step` after every optimizer step (on every
+            rank): later gathers of a step replay. ``False``: every gather encodes.
+        measurements: shared link and codec measurements of the group (see :class:`CieraAllGather`).
+
+    Call :meth:`gather` with the engine's output buffer (``world x n`` values, from
+    :meth:`allocate`) and this rank's shard, its own slot of the output or a separate tensor. The
+    first call builds the inner gather, a collective over ``group``.
+    """
+
+    def __init__(self, *, group=None, config: CieraConfig | None = None, name: str = "zero3",
+                 stepped: bool = True, measurements: Measurements | None = None):
+        self.config = CieraConfig() if config is None else config
+        if self.config.cache == "exponents" and self.config.codec == "delta":
+            raise ValueError(f"{name}: codec='delta' adds to the previous values, so it needs cache='values'; "
+                             f"cache='exponents' keeps one byte per value, which only exponent_reuse decodes against")
+        self.group, self.name, self.stepped = group, name, stepped
+        self._measurements = measurements
+        self._inner: CieraAllGather | None = None
+        self._values: torch.Tensor | None = None  # cache='values': the persistent gathered buffer
+        self._exps: torch.Tensor | None = None  # cache='exponents': [world, n] uint8
+        self._sent: torch.Tensor | None = None  # this rank's shard as last sent fresh
+        self._fresh = True  # the next gather encodes
+        self._plain = GatherStats(codec="raw")  # gathers that never reach the inner gather
+        self.gathers_this_step = 0
+        """Gathers since the last :meth:`step` (the count a step needs: 1, or 2 x micro-batches)."""
+        self.fresh_gathers = 0
+        """Gathers that encoded (at most one per step when ``stepped``)."""
+
+    # -- the engine's side -----------------------------------------------------------------------
+    def allocate(self, *, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The output buffer of the next gather: with ``cache='values'`` the same persistent buffer
+        every time (it is the cache); otherwise a new one the engine may free."""
+        if self.config.cache != "values" or dtype not in FORMATS:
+            return torch.empty(numel, dtype=dtype, device=device)
+        if self._values is None:
+            self._values = torch.empty(numel, dtype=dtype, device=device)
+        elif self._values.numel() != numel or self._values.dtype != dtype:
+            raise ValueError(f"{self.name}: the engine asked for {numel} {dtype} values after "
+                             f"{self._values.numel()} {self._values.dtype}: one Zero3Gather serves one parameter group")
+        return self._values
+
+    def gather(self, *, output: torch.Tensor, input: torch.Tensor, group=None) -> None:
+        """``output`` becomes ``all_gather_into_tensor(output, input)``, bit for bit (synchronously
+        on CPU; on CUDA in stream order on the current stream)."""
+        group = self.group if group is None else group
+        if self._inner is not None and group is not self._inner.group and group != self._inner.group:
+            raise ValueError(f"{self.name}: gathered over a different process group than at its first gather")
+        self.group = group
+        world = dist.get_world_size(group)
+        if output.dim() != 1 or output.numel() != world * input.numel():
+            raise ValueError(f"{self.name}: output of {tuple(output.shape)} values for a shard of "
+                             f"{input.numel()} at world {world}")
+        self.gathers_this_step += 1
+        if world == 1 or output.dtype not in FORMATS or self.config.cache == "none" or self.config.codec == "raw":
+            all_gather_into(output, input, group=group)
+            self._count_plain(output)
+            return
+        rank = dist.get_rank(group)
+        n = input.numel()
+        buffer = output if self.config.cache != "values" else self._values_for(output)
+        own = buffer.view(world, n)[rank]
+        if own.data_ptr() != input.data_ptr():
+            own.copy_(input)
+        if self._inner is None:
+            self._build(buffer)
+            fresh = True
+        else:
+            fresh = self._fresh or not self.stepped
+            if self.config.cache == "exponents":
+                self._seed(buffer, rank)
+                self._inner.rebind(buffer)
+        replay = None if fresh else (as_bits(own) != as_bits(self._sent)).sum()
+        self._inner.prepare(replay=replay)
+        replayed = self._inner.plan.replay
+        self._inner.start().wait()
+        if fresh:
+            self.fresh_gathers += 1
+            self._fresh = False
+        if not replayed:  # receivers now hold this shard exactly (a failed replay was raw)
+            self._sent.copy_(own)
+        if self.config.cache == "exponents" and not replayed:
+            self._exps.copy_(_exponents(buffer).view(world, n))
+        if buffer is not output:
+            output.copy_(buffer)
+
+    def step(self) -> None:
+        """The shard changed (call after every optimizer step, on every rank): the next gather
+        encodes."""
+        self._fresh = True
+        self.gathers_this_step = 0
+
+    def invalidate(self) -> None:
+        """After any write to the shard outside the optimizer step (checkpoint load): the next
+        gather is raw on every rank and refills the caches."""
+        self._fresh = True
+        if self._inner is not None:
+            self._inner.invalidate()
+
+    # -- what it costs and did ---------------------------------------------------------------------
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes this rank keeps between gathers: the receiver cache plus its copy of its own last
+        sent shard (0 before the first gather)."""
+        return sum(t.numel() * t.element_size() for t in (self._values, self._exps, self._sent) if t is not None)
+
+    @property
+    def stats(self) -> GatherStats:
+        """Cumulative counters (the inner gather's plus the plain gathers')."""
+        if self._inner is None:
+            return dataclasses.replace(self._plain)
+        s = self._inner.stats
+        for f in ("raw_bytes", "wire_bytes", "gathers", "raw_gathers"):
+            setattr(s, f, getattr(s, f) + getattr(self._plain, f))
+        return s
+
+    # -- internals --------------------------------------------------------------------------------------
+    def _values_for(self, output: torch.Tensor) -> torch.Tensor:
+        """The persistent buffer of ``cache='values'`` (the output itself when it came from
+        :meth:`allocate`)."""
+        if self._values is None:
+            self._values = torch.empty_like(output)
+        elif self._values.numel() != output.numel() or self._values.dtype != output.dtype:
+            raise ValueError(f"{self.name}: {output.numel()} {output.dtype} values after "
+                             f"{self._values.numel()} {self._values.dtype}: one Zero3Gather serves one parameter group")
+        return self._values
+
+    def _build(self, buffer: torch.Tensor) -> None:
+        config = self.config
+        persistent = config.cache == "values"
+        if not persistent and config.codec == "auto":  # the exponent cache decodes exponent_reuse only
+            config = dataclasses.replace(config, codec="exponent_reuse")
+        self._inner = CieraAllGather(buffer, group=self.group, config=config, name=self.name,
+                                     measurements=self._measurements, persistent=persistent)
+        world, n = self._inner.world, self._inner.shard_numel
+        self._sent = torch.empty(n, dtype=buffer.dtype, device=buffer.device)
+        self._others = torch.tensor([r for r in range(world) if r != self._inner.rank], dtype=torch.int64,
+                                    device=buffer.device)
+        if not persistent:
+            self._exps = torch.empty(world, n, dtype=torch.uint8, device=buffer.device)
+        if self._inner.rank == 0:
+            logger.info("%s: ZeRO-3 gather of %d x %d %s values, cache=%s: %.1f MiB per rank kept between gathers",
+                        self.name, world, n, buffer.dtype, config.cache, self._planned_cache_bytes(world, n, buffer) / 2**20)
+
+    def _planned_cache_bytes(self, world: int, n: int, buffer: torch.Tensor) -> int:
+        per_value = buffer.element_size() if self.config.cache == "values" else 1
+        return world * n * per_value + n * buffer.element_size()
+
+    def _seed(self, buffer: torch.Tensor, rank: int) -> None:
+        """The other ranks' slots of a fresh buffer get their cached exponents (sign and mantissa
+        0): all ``exponent_reuse``'s decode reads of a target."""
+        fmt = float_format(buffer.dtype)
+        world, n = self._exps.shape
+        rows = self._others
+        seeded = self._exps.index_select(0, rows).to(fmt.bits_dtype) << fmt.mant_bits
+        as_bits(buffer).view(world, n).index_copy_(0, rows, seeded)
+
+    def _count_plain(self, output: torch.Tensor) -> None:
+        s = self._plain
+        s.gathers += 1
+        s.raw_gathers += 1
+        b = output.numel() * output.element_size()
+        s.raw_bytes += b
+        s.wire_bytes += b
+
+
+def _exponents(buffer: torch.Tensor) -> torch.Tensor:
+    fmt = float_format(buffer.dtype)
+    return ((as_bits(buffer) >> fmt.mant_bits) & ((1 << fmt.exp_bits) - 1)).to(torch.uint8)
+
+
+def cache_bytes_per_rank(*, numel: int, world: int, dtype: torch.dtype, cache: str) -> int:
+    """What :class:`Zero3Gather` keeps per rank for a parameter group of ``numel`` gathered values
+    (padded to ``world``): the receiver cache plus the sender's copy of its shard."""
+    shard = math.ceil(numel / world)
+    item = float_format(dtype).itemsize
+    per_value = {"values": item, "exponents": 1, "none": 0}[cache]
+    return 0 if cache == "none" else world * shard * per_value + shard * item

@@ -1,0 +1,181 @@
+"""ZeRO-3 gathers (ciera.zero3, ciera.fsdp2) on real gloo ranks, bit for bit against the plain
+all-gather: fresh buffers every gather, one encode per step, replays for the step's later gathers."""
+
+import hashlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ciera import CieraConfig
+from ciera.codecs import as_bits
+from ciera.testing import run_on_ranks
+from ciera.trajectory import AdamTrajectory, adversarial_step
+from ciera.zero3 import Zero3Gather, cache_bytes_per_rank
+
+pytestmark = pytest.mark.distributed
+
+
+def _zero3_worker(rank, world, cache, codec, steps, gathers_per_step, adversarial, sneak_at):
+    """Each step: the shard changes, then ``gathers_per_step`` gathers into new buffers (the forward
+    and backward of each micro-batch). At step ``sneak_at`` rank 1 changes its shard WITHOUT
+    ``step()``: the replay must notice and gather raw."""
+    n = 3000
+    traj = AdamTrajectory(numel=n, seed=7 + rank)
+    gen = torch.Generator().manual_seed(rank)
+    g = Zero3Gather(config=CieraConfig(codec=codec, selection="always", cache=cache, verify_interval=7),
+                    name=f"unit-{cache}-{codec}")
+    ref = torch.empty(world * n, dtype=torch.bfloat16)
+    for step in range(steps):
+        x = traj.step()
+        if adversarial and step % 5 == 3:
+            kinds = ["all_exponents", "nan_inf", "sign_flip", "zeros", "replace", "same"]
+            x = adversarial_step(x, kind=kinds[(step + rank) % len(kinds)], gen=gen, fraction=0.3)
+        if step:
+            g.step()
+        for k in range(gathers_per_step):
+            if step == sneak_at and k == 1 and rank == 1:
+                x = x.clone()
+                x[17] = -x[17] if x[17] != 0 else 1.0
+            out = g.allocate(numel=world * n, dtype=torch.bfloat16, device=torch.device("cpu"))
+            out.view(world, n)[rank].copy_(x)
+            g.gather(output=out, input=out.view(world, n)[rank])
+            dist.all_gather_into_tensor(ref, x)
+            if not torch.equal(as_bits(out), as_bits(ref)):
+                bad = (as_bits(out) != as_bits(ref)).nonzero().view(-1)
+                raise AssertionError(f"rank {rank} step {step} gather {k}: {bad.numel()} values differ, first {bad[:5].tolist()}")
+            if cache == "exponents":
+                out.fill_(float("nan"))  # the engine frees it: nothing may be read from it later
+    return g.stats, g.fresh_gathers, g.cache_bytes
+
+
+@pytest.mark.parametrize("cache,codec", [("exponents", "exponent_reuse"), ("values", "delta"),
+                                         ("values", "exponent_reuse"), ("exponents", "auto")])
+def test_zero3_bit_exact_one_encode_per_step(cache, codec):
+    steps, per_step = 24, 4
+    results = run_on_ranks(_zero3_worker, world=2, args=(cache, codec, steps, per_step, True, 11))
+    for stats, fresh, cache_bytes in results:
+        assert fresh == steps, "one encode per step"
+        assert stats.gathers == steps * per_step
+        assert stats.replays >= (steps - 2) * (per_step - 1), stats
+        assert stats.failures == 1, "the changed shard claimed unchanged was caught once"
+        assert stats.compressed_gathers >= steps // 2  # warmup, the caught change and raw adversarial steps aside
+        assert cache_bytes == cache_bytes_per_rank(numel=2 * 3000, world=2, dtype=torch.bfloat16, cache=cache)
+        if cache == "values":  # replays send nothing
+            assert stats.wire_bytes < stats.raw_bytes / per_step + stats.raw_bytes * 0.1
+        else:  # replays send the step's payloads again
+            assert stats.wire_bytes < stats.raw_bytes * 0.8
+    assert len({(s.wire_bytes, s.replays, s.raw_gathers) for s, _, _ in results}) == 1, "ranks diverged"
+
+
+def test_zero3_rejects_delta_with_the_exponent_cache():
+    with pytest.raises(ValueError, match="needs cache='values'"):
+        Zero3Gather(config=CieraConfig(codec="delta", cache="exponents"))
+
+
+def _unstepped_worker(rank, world):
+    """Without step() every gather encodes (still exact)."""
+    n = 1000
+    traj = AdamTrajectory(numel=n, seed=rank)
+    g = Zero3Gather(config=CieraConfig(codec="exponent_reuse", selection="always"), stepped=False)
+    ref = torch.empty(world * n, dtype=torch.bfloat16)
+    for _ in range(5):
+        x = traj.step()
+        for _ in range(2):
+            out = torch.empty(world * n, dtype=torch.bfloat16)
+            g.gather(output=out, input=x)  # a separate input tensor: copied into its slot
+            dist.all_gather_into_tensor(ref, x)
+            assert torch.equal(as_bits(out), as_bits(ref))
+    return g.fresh_gathers, g.stats.replays
+
+
+def test_zero3_without_step_calls_encodes_every_gather():
+    for fresh, replays in run_on_ranks(_unstepped_worker, world=2):
+        assert (fresh, replays) == (10, 0)
+
+
+# -- FSDP2 end to end ------------------------------------------------------------------------------
+class _Block(torch.nn.Module):
+    """Norm, router and experts: an FSDP unit whose shards hold parameters of different kinds."""
+
+    def __init__(self, dim, experts):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.router = torch.nn.Linear(dim, experts, bias=False)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(experts))
+
+    def forward(self, h):
+        x = self.norm(h)
+        w = torch.softmax(self.router(x).float(), dim=-1).to(x.dtype)
+        return h + sum(w[..., i : i + 1] * e(x) for i, e in enumerate(self.experts))
+
+
+class _TinyMoE(torch.nn.Module):
+    def __init__(self, dim=32, experts=4, blocks=2, vocab=64):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.blocks = torch.nn.ModuleList(_Block(dim, experts) for _ in range(blocks))
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def _fsdp2_worker(rank, world, use_ciera, cache, micro_batches, steps):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import ciera.fsdp2
+
+    torch.manual_seed(0)
+    model = _TinyMoE()
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for b in model.blocks:
+        fully_shard(b, mp_policy=mp_policy)
+    fully_shard(model, mp_policy=mp_policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gathers = None
+    if use_ciera:
+        gathers = ciera.fsdp2.enable(model, optimizer=opt,
+                                     config=CieraConfig(codec="auto" if cache == "values" else "exponent_reuse",
+                                                        selection="always", cache=cache))
+    gen = torch.Generator().manual_seed(100 + rank)
+    losses = []
+    for _ in range(steps):
+        for _ in range(micro_batches):
+            tokens = torch.randint(0, 64, (4, 16), generator=gen)
+            logits = model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 64), tokens[:, 1:].reshape(-1))
+            loss.backward()
+            losses.append(loss.detach().float().item())
+        opt.step()
+        opt.zero_grad()
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        h.update(name.encode())
+        h.update(full.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    info = None
+    if gathers is not None:
+        units = {n: (g.fresh_gathers, g.stats.gathers) for n, g in gathers.gathers.items()}
+        info = (gathers.stats(), units, gathers.cache_bytes)
+    return losses, h.hexdigest(), info
+
+
+@pytest.mark.parametrize("cache", ["exponents", "values"])
+def test_fsdp2_training_is_bit_identical_with_ciera(cache):
+    steps, micro = 6, 2
+    plain = run_on_ranks(_fsdp2_worker, world=2, args=(False, cache, micro, steps))
+    ciera_runs = run_on_ranks(_fsdp2_worker, world=2, args=(True, cache, micro, steps))
+    for (l0, h0, _), (l1, h1, info) in zip(plain, ciera_runs):
+        assert l0 == l1, "per-micro-batch losses differ"
+        assert h0 == h1, "final params differ"
+        stats, units, cache_bytes = info
+        assert stats.compressed_gathers > 0 and stats.wire_bytes < stats.raw_bytes
+        assert cache_bytes > 0
+        for name, (fresh, gathers) in units.items():
+            assert fresh == steps, f"{name}: one encode per step"
+            if name:  # resharded after forward: gathered in forward and backward of each micro-batch
+                assert gathers == steps * 2 * micro, (name, gathers)
