@@ -1,7 +1,8 @@
 """Install CIERA-Megatron: the ``ciera`` library and its Megatron-Core binding ``megatron.ciera``.
 
 ``megatron`` is a namespace package owned by megatron-core, so ``megatron.ciera`` is installed
-without a ``megatron/__init__.py`` (one would hide ``megatron.core``).
+without a ``megatron/__init__.py`` (one would hide ``megatron.core``). ``tools`` (benchmarks,
+simulator, testbed) is installed too, so its scripts import ``ciera`` and each other as packages.
 
 The native CPU codecs (``ciera/native/csrc``, plain C11 + OpenMP, no Python or torch headers) are
 built here as an *optional* extension: without a working C compiler the install still succeeds and
@@ -52,7 +53,10 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_namespace_packages(include=["ciera", "ciera.*", "megatron.ciera", "megatron.ciera.*"]),
+    # tools: the benchmarks, simulator and testbed import each other as ``tools.*`` (run as
+    # ``python tools/x.py`` from anywhere, no path set-up); their data files stay in the checkout.
+    packages=find_namespace_packages(include=["ciera", "ciera.*", "megatron.ciera", "megatron.ciera.*",
+                                              "tools", "tools.sim", "tools.testbed"]),
     py_modules=["pretrain_gpt"],
     ext_modules=[NATIVE],
     cmdclass={"build_ext": BuildNative},

@@ -7,34 +7,22 @@ Compression must never make a run slower. For one bucket the model compares two 
   + an all-gather of ``wire_ratio(c) x raw_bytes_per_rank`` + decode of the ``world - 1`` received
   payloads (always on the critical path: the layer cannot run before its weights exist).
 
-Everything here is a pure function of measured numbers or a frozen dataclass, except the
-measurement helpers at the bottom (:func:`measure_link`, :func:`measure_codec_speed`,
-:func:`agree`), which time real collectives and codecs. Every rank of a group must take the same
-decision, so measurements are MAX-reduced across the group before anything is derived from them:
-with equal inputs :func:`decide` is deterministic, hence rank-identical.
+Everything here is a pure function of measured numbers or a frozen dataclass; the measurements
+(timing real collectives and codecs, MAX-reduced across the group so that every rank holds the
+same numbers) are :mod:`ciera.measure`'s. With equal inputs :func:`decide` is deterministic,
+hence rank-identical.
 
-Link models (``allgather_time``):
-
-* :class:`LinkModel` -- one homogeneous link, ring algorithm: ``(world - 1)`` steps, each one
-  ``latency + bytes_per_rank / bandwidth``.
-* :class:`TwoLevelLink` -- ``gpus_per_node`` ranks per node on a fast link, nodes joined by
-  ``nics_per_node`` NICs each of ``inter`` speed. ``algorithm='ring'`` is a flat ring split into
-  ``nics_per_node`` channels (as NCCL does), every step paced by the slower of the intra link and
-  the node's NICs together; ``algorithm='hierarchical'`` gathers across nodes first (every local
-  rank rings over the nodes, the local ranks sharing the node's NICs) then within the node (each
-  rank forwards ``nodes`` shards over the fast link).
-
-Bandwidths are per rank and per direction, in bytes per second of payload.
+:class:`LinkModel` is one homogeneous link, ring algorithm: ``(world - 1)`` steps, each one
+``latency + bytes_per_rank / bandwidth``; anything with ``allgather_time`` is a :class:`Link`
+(the simulator's two-level cluster link is ``tools.sim.links.TwoLevelLink``). Bandwidths are per
+rank and per direction, in bytes per second of payload.
 """
 
 from __future__ import annotations
 
-import math
-import time
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-ALGORITHMS = ("ring", "hierarchical")
 RAW = "raw"
 
 
@@ -45,12 +33,6 @@ class Link(Protocol):
     """Anything that predicts the time of one all-gather."""
 
     def allgather_time(self, *, bytes_per_rank: float, world: int) -> float: ...
-
-
-def _ring_time(*, steps: int, bytes_per_step: float, bandwidth: float, latency: float) -> float:
-    if steps <= 0:
-        return 0.0
-    return steps * (latency + bytes_per_step / bandwidth)
 
 
 @dataclass(frozen=True)
@@ -71,60 +53,9 @@ class LinkModel:
 
     def allgather_time(self, *, bytes_per_rank: float, world: int) -> float:
         """Ring all-gather: ``(world - 1) * (latency + bytes_per_rank / bandwidth)`` seconds."""
-        return _ring_time(steps=world - 1, bytes_per_step=bytes_per_rank,
-                          bandwidth=self.bandwidth_bytes_per_s, latency=self.latency_s)
-
-
-@dataclass(frozen=True)
-class TwoLevelLink:
-    """Nodes of ``gpus_per_node`` ranks on ``intra``, joined by ``inter``; ranks fill nodes in order."""
-
-    intra: LinkModel
-    """The link inside a node (NVLink / NVSwitch)."""
-
-    inter: LinkModel
-    """One NIC between nodes (bandwidth per direction, latency per hop)."""
-
-    gpus_per_node: int
-    """Ranks per node. A group of at most this many ranks stays on ``intra``."""
-
-    nics_per_node: int = 1
-    """NICs per node. 1: one shared port per node; ``gpus_per_node``: one per GPU (DGX-style, rail
-    optimised), which lets ring channels or the local ranks cross nodes in parallel."""
-
-    algorithm: str = "ring"
-    """``ring`` (one flat ring; each step is paced by the slowest link it crosses) or
-    ``hierarchical`` (inter-node ring among same-local-rank peers, then an intra-node ring of
-    node-sized chunks)."""
-
-    def __post_init__(self):
-        if self.gpus_per_node < 1:
-            raise ValueError(f"TwoLevelLink: gpus_per_node={self.gpus_per_node} must be >= 1")
-        if not 1 <= self.nics_per_node <= self.gpus_per_node:
-            raise ValueError(f"TwoLevelLink: nics_per_node={self.nics_per_node} must be in [1, gpus_per_node="
-                             f"{self.gpus_per_node}]")
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"TwoLevelLink: algorithm={self.algorithm!r}; expected one of {ALGORITHMS}")
-
-    def allgather_time(self, *, bytes_per_rank: float, world: int) -> float:
-        """Predicted seconds of one all-gather of ``bytes_per_rank`` from each of ``world`` ranks."""
-        if world <= self.gpus_per_node:
-            return self.intra.allgather_time(bytes_per_rank=bytes_per_rank, world=world)
-        if world % self.gpus_per_node:
-            raise ValueError(
-                f"TwoLevelLink: world={world} is not a multiple of gpus_per_node={self.gpus_per_node}")
-        nodes = world // self.gpus_per_node
-        nic_bw = self.inter.bandwidth_bytes_per_s * self.nics_per_node
-        if self.algorithm == "ring":
-            # each of nics_per_node channels carries 1/nics of every shard across its own NIC
-            slow_bw = min(self.intra.bandwidth_bytes_per_s, nic_bw)
-            slow_lat = max(self.intra.latency_s, self.inter.latency_s)
-            return _ring_time(steps=world - 1, bytes_per_step=bytes_per_rank, bandwidth=slow_bw, latency=slow_lat)
-        # all local ranks ring over the nodes at once, sharing the node's NICs
-        across = _ring_time(steps=nodes - 1, bytes_per_step=bytes_per_rank, latency=self.inter.latency_s,
-                            bandwidth=nic_bw / self.gpus_per_node)
-        within = self.intra.allgather_time(bytes_per_rank=nodes * bytes_per_rank, world=self.gpus_per_node)
-        return across + within
+        if world <= 1:
+            return 0.0
+        return (world - 1) * (self.latency_s + bytes_per_rank / self.bandwidth_bytes_per_s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,35 +96,6 @@ class CodecEstimate:
             raise ValueError("CodecEstimate: 'raw' is the baseline, not a candidate")
         if not self.wire_ratio > 0:
             raise ValueError(f"CodecEstimate({self.name}): wire_ratio={self.wire_ratio} must be > 0")
-
-
-@dataclass(frozen=True)
-class HostShare:
-    """Ranks whose codec work and transport share CPU cores (CPU hosts: CPU codecs, gloo over
-    TCP). A GPU codec runs on the GPU, so GPU clusters pass no ``HostShare``.
-
-    Where ``ranks > cores`` the codec phases are paced by the machine's cores, not one rank's:
-    every rank encodes (and decodes) at once, so each phase takes ``ranks / cores`` times a
-    single-core codec's time, and a collective waits for the last rank to finish it. Speeds given
-    with a ``HostShare`` are single-core speeds (measured where each rank had a core); the link is
-    untouched (a link fitted on these hosts already includes the transport's share of the cores)."""
-
-    cores: float
-    """CPU cores the ranks below run on (the machine's, when every rank of the group is on it)."""
-
-    ranks: int
-    """Ranks competing for ``cores``: each one runs its own codec and its own transport."""
-
-    def __post_init__(self):
-        if not self.cores > 0:
-            raise ValueError(f"HostShare: cores={self.cores} must be > 0")
-        if self.ranks < 1:
-            raise ValueError(f"HostShare: ranks={self.ranks} must be >= 1")
-
-    @property
-    def slowdown(self) -> float:
-        """Wall time of a codec phase over a single-core codec's time: ``max(1, ranks / cores)``."""
-        return max(1.0, self.ranks / self.cores)
 
 
 @dataclass(frozen=True)
@@ -277,13 +179,15 @@ def agreement_time(*, link: Link, world: int, buckets: int = 1) -> float:
 
 def predict_compressed(*, raw_bytes_per_rank: float, world: int, link: Link, estimate: CodecEstimate,
                        overlapped_encode: bool = False, agreement_s: float = 0.0,
-                       host: HostShare | None = None) -> Prediction:
+                       codec_slowdown: float = 1.0) -> Prediction:
     """Predicted cost of a compressed all-gather with ``estimate``'s codec: encode (unless
     overlapped), this bucket's share ``agreement_s`` of the size agreement, the collective of the
     exact payloads (``wire_ratio`` of raw per rank) and the batched decode of ``world - 1`` of them.
-    With ``host``, ``estimate.speed`` is a single-core codec's and both codec phases take
-    ``host.slowdown`` times as long (ranks sharing cores, :class:`HostShare`)."""
-    share = 1.0 if host is None else host.slowdown
+    Both codec phases take ``codec_slowdown`` times ``estimate.speed``'s time: 1 where each rank
+    has its own compute; more where ranks share CPU cores (the simulator's ``HostShare``)."""
+    if not codec_slowdown >= 1.0:
+        raise ValueError(f"predict_compressed: codec_slowdown={codec_slowdown} must be >= 1")
+    share = codec_slowdown
     wire = estimate.wire_ratio * raw_bytes_per_rank
     enc = share * raw_bytes_per_rank / estimate.speed.encode_bytes_per_s
     comm = link.allgather_time(bytes_per_rank=wire, world=world) + agreement_s
@@ -369,7 +273,7 @@ class Ewma:
 
 
 # ---------------------------------------------------------------------------------------------
-# Measurement (touches torch and the process group)
+# Fitting a link to measured times (:mod:`ciera.measure` takes them)
 # ---------------------------------------------------------------------------------------------
 def fit_latency_bandwidth(*, sizes: Sequence[float], times: Sequence[float], world: int) -> LinkModel:
     """Least-squares fit of ``time = (world-1) * (latency + size / bandwidth)`` to measurements.
@@ -397,122 +301,7 @@ def fit_latency_bandwidth(*, sizes: Sequence[float], times: Sequence[float], wor
     return LinkModel(bandwidth_bytes_per_s=bandwidth, latency_s=latency)
 
 
-def _sync(device) -> None:
-    import torch
-
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def agree(*, values: Sequence[float], group=None, device=None) -> list[float]:
-    """MAX-reduce ``values`` over ``group`` so every rank holds the same numbers.
-
-    Timings differ slightly per rank; taking the maximum (the slowest rank paces a collective)
-    makes every derived decision identical everywhere. ``device`` defaults to CPU on gloo and to
-    the current CUDA device otherwise.
-    """
-    import torch
-    import torch.distributed as dist
-
-    if device is None:
-        device = "cpu" if dist.get_backend(group) == "gloo" else torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return [float(v) for v in t.cpu().tolist()]
-
-
-DEFAULT_LINK_SIZES = (1 << 14, 1 << 17, 1 << 20, 1 << 22)
-
-
-def measure_link_times(*, group=None, device="cpu", sizes: Sequence[int] = DEFAULT_LINK_SIZES, repeats: int = 3,
-                       warmup: int = 1) -> list[float]:
-    """Seconds of one ``all_gather_into_tensor`` of each of ``sizes`` bytes per rank on ``group``.
-
-    Collective: every rank of ``group`` must call it with equal arguments. Each figure is the
-    fastest of ``repeats`` runs on this rank, then MAX-reduced across the group, so every rank
-    holds the same list. A group of one rank returns zeros (nothing is sent).
-    """
-    import torch
-    import torch.distributed as dist
-
-    from .comm import all_gather_into
-
-    world = dist.get_world_size(group)
-    if world == 1:
-        return [0.0] * len(sizes)
-    times = []
-    for size in sizes:
-        src = torch.zeros(int(size), dtype=torch.uint8, device=device)
-        dst = torch.empty(int(size) * world, dtype=torch.uint8, device=device)
-        best = math.inf
-        for i in range(warmup + repeats):
-            dist.barrier(group=group)
-            _sync(device)
-            t0 = time.perf_counter()
-            all_gather_into(dst, src, group=group)
-            _sync(device)
-            if i >= warmup:
-                best = min(best, time.perf_counter() - t0)
-        times.append(best)
-    return agree(values=times, group=group, device=device if torch.device(device).type == "cuda" else "cpu")
-
-
-def measure_link(*, group=None, device="cpu", sizes: Sequence[int] = DEFAULT_LINK_SIZES, repeats: int = 3,
-                 warmup: int = 1) -> LinkModel:
-    """Time ``all_gather_into_tensor`` of ``sizes`` bytes per rank on ``group`` and fit a
-    :class:`LinkModel` (:func:`measure_link_times`, then :func:`fit_latency_bandwidth`): collective,
-    and identical on every rank."""
-    import torch.distributed as dist
-
-    world = dist.get_world_size(group)
-    if world == 1:
-        return LinkModel(bandwidth_bytes_per_s=1e30, latency_s=0.0)
-    times = measure_link_times(group=group, device=device, sizes=sizes, repeats=repeats, warmup=warmup)
-    return fit_latency_bandwidth(sizes=sizes, times=times, world=world)
-
-
-def measure_codec_speed(*, codec, device="cpu", repeats: int = 3, warmup_steps: int = 3, lr: float = 1e-4,
-                        seed: int = 0) -> CodecSpeed:
-    """Time ``codec`` (a :class:`ciera.codecs.Codec`) encoding and decoding a synthetic shard.
-
-    The shard follows an :class:`ciera.trajectory.AdamTrajectory` for ``warmup_steps`` steps, so the
-    codec sees a realistic change between the previous and new values. Local only: reduce the two
-    throughputs with :func:`agree` (as seconds, or negate rates) to make them rank-identical.
-    """
-    import torch
-
-    from ciera.trajectory import AdamTrajectory
-
-    n = codec.numel
-    traj = AdamTrajectory(numel=n, dtype=codec.dtype, lr=lr, seed=seed, device=device)
-    for _ in range(warmup_steps):
-        traj.step()
-    prev = traj.current().clone()
-    new = traj.step().contiguous()
-    state = codec.new_state(shard=prev)
-    out = torch.empty(codec.clamp_capacity(codec.max_bytes), dtype=torch.uint8, device=device)
-    enc = dec = math.inf
-    for _ in range(repeats + 1):
-        codec.reset_state(state=state, shard=prev)
-        _sync(device)
-        t0 = time.perf_counter()
-        codec.encode(shard=new, state=state, out=out)
-        _sync(device)
-        enc = min(enc, time.perf_counter() - t0)
-        target = prev.clone()
-        _sync(device)
-        t0 = time.perf_counter()
-        codec.decode(payload=out, target=target)
-        _sync(device)
-        dec = min(dec, time.perf_counter() - t0)
-    raw = max(codec.raw_bytes, 1)
-    return CodecSpeed(encode_bytes_per_s=raw / max(enc, 1e-9), decode_bytes_per_s=raw / max(dec, 1e-9))
-
-
 __all__ = [
-    "ALGORITHMS", "RAW", "CodecEstimate", "CodecSpeed", "Decision", "Ewma", "HostShare", "Link", "LinkModel",
-    "Prediction",
-    "TwoLevelLink", "agree", "agreement_time", "decide", "fit_latency_bandwidth", "measure_codec_speed", "measure_link",
-    "measure_link_times",
-    "predict_compressed", "predict_raw",
+    "RAW", "CodecEstimate", "CodecSpeed", "Decision", "Ewma", "Link", "LinkModel", "Prediction", "agreement_time",
+    "decide", "fit_latency_bandwidth", "predict_compressed", "predict_raw",
 ]

@@ -44,6 +44,7 @@ from typing import Callable
 import torch
 
 from . import cost_model as cm
+from . import measure
 from .codecs.base import align_up
 
 logger = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ class Measurements:
     def _measure_link(self, *, group, device, sizes: list[int]) -> None:
         import torch.distributed as dist
 
-        times = cm.measure_link_times(group=group, device=device, sizes=sizes)
+        times = measure.measure_link_times(group=group, device=device, sizes=sizes)
         if self.link_times:
             times = [min(a, b) for a, b in zip(self.link_times, times)]
         self.link_sizes, self.link_times = list(sizes), times
@@ -125,9 +126,9 @@ class Measurements:
         block = getattr(codec, "block_size", None)
         key = (codec.name, codec.dtype, block, codec.numel, torch.device(device).type)
         if key not in self.codec_seconds_per_byte:
-            sp = cm.measure_codec_speed(codec=codec, device=device)
-            enc, dec = cm.agree(values=[1 / sp.encode_bytes_per_s, 1 / sp.decode_bytes_per_s],
-                                group=group, device=device)
+            sp = measure.measure_codec_speed(codec=codec, device=device)
+            enc, dec = measure.agree(values=[1 / sp.encode_bytes_per_s, 1 / sp.decode_bytes_per_s],
+                                     group=group, device=device)
             self.codec_seconds_per_byte[key] = (enc, dec)
         return self.codec_seconds_per_byte[key]
 
@@ -231,8 +232,8 @@ class Selector:
         cost = time.perf_counter() - t0 + self._snapshot_s  # the probes read their sizes: synchronous
         self._refresh_speeds(current=current, stats=stats)
         per_byte = [v for n in names for v in (self.speeds[n][0].value, self.speeds[n][1].value)]
-        agreed = cm.agree(values=needed + per_byte + [float(warmup_left), cost], group=self.group,
-                          device=self.device)
+        agreed = measure.agree(values=needed + per_byte + [float(warmup_left), cost], group=self.group,
+                               device=self.device)
         if agreed[-2] > 0:
             return int(agreed[-2]), None
         self.cost_s = agreed[-1]

@@ -18,20 +18,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ciera import CieraAllGather  # noqa: E402
-from ciera.codecs import as_bits  # noqa: E402
-from ciera.testing import run_on_ranks  # noqa: E402
-from ciera.trajectory import AdamTrajectory  # noqa: E402
-from tools.testbed.bench_gather import mode_config  # noqa: E402
+from ciera import CieraAllGather
+from ciera.codecs import as_bits
+from ciera.testing import run_on_ranks
+from ciera.trajectory import AdamTrajectory
+from tools._common import timed_collective, write_table
+from tools.testbed.bench_gather import mode_config
 
 
 def _worker(rank, world, numel, codecs, lr, warmup, steps, device_type):
@@ -45,16 +42,6 @@ def _worker(rank, world, numel, codecs, lr, warmup, steps, device_type):
     times = {c: [] for c in ["plain", *codecs]}
     modes = {c: [] for c in codecs}  # the codec each gather of the timed steps used (None: raw)
 
-    def timed(fn):
-        if device_type == "cuda":
-            torch.cuda.synchronize()
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        if device_type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
     for step in range(warmup + steps):
         if step == warmup:
             before = {c: g.stats for c, g in gathers.items()}
@@ -65,11 +52,12 @@ def _worker(rank, world, numel, codecs, lr, warmup, steps, device_type):
             order.reverse()
         for name, g in order:
             if g is None:
-                t = timed(lambda: dist.all_gather_into_tensor(plain, plain.view(world, -1)[rank]))
+                t = timed_collective(lambda: dist.all_gather_into_tensor(plain, plain.view(world, -1)[rank]),
+                                     device=device)
             else:
                 g.buffer.view(world, -1)[rank].copy_(x)
                 n = g.stats.compressed_gathers
-                t = timed(lambda: g.start().wait())
+                t = timed_collective(lambda: g.start().wait(), device=device)
                 if step >= warmup:
                     s = g.stats
                     modes[name].append(s.codec if s.compressed_gathers > n else None)
@@ -132,10 +120,7 @@ def main(argv=None) -> int:
                          f"| {wire:.4f} | {payload:.4f} | {wire / payload if payload else float('nan'):.4f} "
                          f"| {s.raw_gathers} | {results[0]['decisions'][c]} | {_switches(results[0]['modes'][c])} |")
             print(lines[-1], flush=True)
-    table = "\n".join(lines)
-    print(table)
-    if args.out_md:
-        args.out_md.write_text(table + "\n")
+    write_table(lines, args.out_md)
     return 0
 
 

@@ -38,33 +38,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ciera.codecs import HEADER_BYTES, as_bits, available_codecs, make_codec  # noqa: E402
-from ciera.native import available as native_available  # noqa: E402
-from ciera.native import unavailable_reason as native_reason  # noqa: E402
-from ciera.trajectory import AdamTrajectory  # noqa: E402
+from ciera.codecs import HEADER_BYTES, as_bits, available_codecs, make_codec
+from ciera.native import available as native_available
+from ciera.native import unavailable_reason as native_reason
+from ciera.trajectory import AdamTrajectory
+from tools._common import timed
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _timed(fn, device, own_thread: bool = False) -> tuple[float, float]:
-    """(wall seconds, CPU seconds) of one call. CPU: the process's over all its threads, or with
-    ``own_thread`` the calling thread's alone -- for a native call at one thread, which runs wholly
-    on it, so that an OpenMP worker still spinning after an interleaved 2-thread call is not
-    charged to it (charged, it halved delta's one-thread encode figure). Not for the peers: ZipNN
-    works on a helper thread even at ``threads=1``."""
-    cpu = time.thread_time if own_thread else time.process_time
-    _sync(device)
-    w0, c0 = time.perf_counter(), cpu()
-    fn()
-    _sync(device)
-    return time.perf_counter() - w0, cpu() - c0
 
 
 def make_snapshots(*, numel, dtype, lr, warmup, steps, device, seed=0):
@@ -80,11 +60,16 @@ def make_snapshots(*, numel, dtype, lr, warmup, steps, device, seed=0):
 
 def _best(fn, setup, repeats, device, own_thread: bool = False) -> tuple[float, float]:
     """Best (wall, CPU) times of ``repeats`` runs of ``fn``, each after an untimed ``setup``; each
-    clock's best is taken on its own. ``own_thread``: see :func:`_timed`."""
+    clock's best is taken on its own. CPU: the process's over all its threads, or with
+    ``own_thread`` the calling thread's alone -- for a native call at one thread, which runs wholly
+    on it, so that an OpenMP worker still spinning after an interleaved 2-thread call is not
+    charged to it (charged, it halved delta's one-thread encode figure). Not for the peers: ZipNN
+    works on a helper thread even at ``threads=1``."""
+    clock = time.thread_time if own_thread else time.process_time
     wall = cpu = float("inf")
     for _ in range(repeats):
         setup()
-        w, c = _timed(fn, device, own_thread)
+        w, c = timed(fn, device=device, cpu_clock=clock)
         wall, cpu = min(wall, w), min(cpu, c)
     return wall, cpu
 
@@ -129,7 +114,7 @@ def bench_one(*, name, snaps, block_size, backend, device, repeats=1, threads=No
         for _ in range(repeats):
             for k in counts:
                 torch.set_num_threads(k)
-                own = k == 1 and impl == "native"  # runs wholly on this thread (see _timed)
+                own = k == 1 and impl == "native"  # runs wholly on this thread (see _best)
                 e[k] = best(e[k], _best(lambda: codec.encode(shard=new, state=state, out=out),
                                         lambda: codec.reset_state(state=state, shard=prev), 1, device, own))
                 d[k] = best(d[k], _best(lambda: codec.decode(payload=out, target=target), lambda: target.copy_(prev),

@@ -15,22 +15,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ciera.codecs import HEADER_BYTES, as_bits, make_codec  # noqa: E402
-from ciera.codecs.base import align_up  # noqa: E402
-from ciera.trajectory import AdamTrajectory  # noqa: E402
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from ciera.codecs import HEADER_BYTES, as_bits, make_codec
+from ciera.codecs.base import align_up
+from ciera.trajectory import AdamTrajectory
+from tools._common import synchronize, timed, write_table
 
 
 def _payloads(codec, world, numel, device):
@@ -60,7 +52,7 @@ def _launches(fn, device) -> int | None:
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
-        _sync(device)
+        synchronize(device)
     return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
 
 
@@ -97,28 +89,18 @@ def main(argv=None) -> int:
         times = {}
         for label, fn in (("batched", batched), ("loop", looped)):
             fn()  # warm-up (compiles kernels)
-            ts = []
-            for _ in range(args.repeats):
-                _sync(device)
-                t0 = time.perf_counter()
-                fn()
-                _sync(device)
-                ts.append(time.perf_counter() - t0)
-            times[label] = statistics.median(ts)
+            times[label] = statistics.median(timed(fn, device=device)[0] for _ in range(args.repeats))
             if not torch.equal(as_bits(targets[1:]), as_bits(new[1:])):
                 raise AssertionError(f"{name} {label}: decoded shards differ from the encoded ones")
         copy_launches = _launches(lambda: targets.copy_(prev), device) or 0
         launches = _launches(batched, device)
         launches = "n/a (cpu)" if launches is None else str(launches - copy_launches)
-        impl = codec._decode_many_impl(targets).__module__
+        impl = codec.implementation("decode_many", like=targets)
         gbps = (args.world - 1) * codec.raw_bytes / times["batched"] / 1e9
         lines.append(f"| {name} | {times['batched'] * 1e3:.3f} | {times['loop'] * 1e3:.3f} | {gbps:.2f} "
                      f"| {launches} | {impl} |")
         print(lines[-1], flush=True)
-    table = "\n".join(lines)
-    print(table)
-    if args.out_md:
-        args.out_md.write_text(table + "\n")
+    write_table(lines, args.out_md)
     return 0
 
 

@@ -25,28 +25,22 @@ import ctypes
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ciera import native
+from ciera.codecs import as_bits, make_codec
+from ciera.trajectory import AdamTrajectory
 
-from ciera.codecs import as_bits, make_codec  # noqa: E402
-from ciera.native import _lib  # noqa: E402
-from ciera.native import delta as native_delta  # noqa: E402
-from ciera.native import exponent_reuse as native_er  # noqa: E402
-from ciera.trajectory import AdamTrajectory  # noqa: E402
 
 def load_library(path: str | None) -> ctypes.CDLL:
     """The package's library (checked as ``Codec`` loads it), or the build at ``path``."""
     if path is None:
-        lib = _lib.library()
+        lib = native.library()
         if lib is None:
-            raise SystemExit(f"bench_native: {_lib.unavailable_reason()}")
+            raise SystemExit(f"bench_native: {native.unavailable_reason()}")
         return lib
-    lib = ctypes.CDLL(str(Path(path).resolve()))
-    _lib.declare(lib, missing_ok=True)
-    return lib
+    return native.load_build(path)
 
 
 def best_of(fn, reset, repeats: int) -> float:
@@ -63,8 +57,8 @@ def best_of(fn, reset, repeats: int) -> float:
 def bench(*, lib, name: str, prev: torch.Tensor, new: torch.Tensor, threads: int, repeats: int) -> list[tuple]:
     """(call, threads, seconds) rows for one codec at one thread count."""
     codec = make_codec(name, dtype=new.dtype, numel=new.numel(), backend="native")
-    native = native_delta if name == "delta" else native_er
-    layout = ctypes.addressof(native._c_layout(codec.layout))
+    c_layout = native.c_layout(codec)  # kept alive while the library reads it
+    layout = ctypes.addressof(c_layout)
     state, fresh = codec.new_state(shard=prev), codec.new_state(shard=prev)
     out = torch.empty(codec.clamp_capacity(codec.max_bytes), dtype=torch.uint8)
     pb, nb = as_bits(prev), as_bits(new)
@@ -78,11 +72,11 @@ def bench(*, lib, name: str, prev: torch.Tensor, new: torch.Tensor, threads: int
 
     rows = [("encode", threads, best_of(encode, lambda: ctypes.memmove(state.data_ptr(), fresh.data_ptr(), nbytes),
                                         repeats))]
-    _lib.raise_for(name, min(needed))
+    native.raise_for(name, min(needed))
     length = max(needed)
     rows.append(("decode", threads, best_of(
-        lambda: _lib.raise_for(name, lib.ciera_decode(codec.codec_id, layout, out.data_ptr(), length,
-                                                      target.data_ptr(), threads)),
+        lambda: native.raise_for(name, lib.ciera_decode(codec.codec_id, layout, out.data_ptr(), length,
+                                                        target.data_ptr(), threads)),
         lambda: ctypes.memmove(target.data_ptr(), pb.data_ptr(), target.numel() * 2), repeats)))
     if not torch.equal(target, nb):
         raise AssertionError(f"{name}: decode is not bit-exact ({threads} threads)")

@@ -19,12 +19,10 @@ from __future__ import annotations
 import argparse
 import re
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron.ciera.launch import TABLE_TOTAL, run_pretrain  # noqa: E402
+from megatron.ciera.launch import TABLE_TOTAL, run_pretrain
+from tools._common import write_table
 
 MODES = {
     "baseline": [],
@@ -101,10 +99,7 @@ def main(argv=None) -> int:
         same = "yes" if base_digests and digests[mode] == base_digests else ("-" if mode == "baseline" else "NO")
         rel = f"{base / t:.2f}x" if base else "-"
         lines.append(f"| {mode} | {t:.1f} | {rel} | {mb} | {ratio} | {same} |")
-    table = "\n".join(lines)
-    print(table)
-    if a.out_md:
-        a.out_md.write_text(table + "\n")
+    write_table(lines, a.out_md)
     return 0 if all(lines[i].endswith("| yes |") or "| baseline |" in lines[i] for i in range(2, len(lines))) else 1
 
 

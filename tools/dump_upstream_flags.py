@@ -48,13 +48,15 @@ class _Stub(types.ModuleType):
         return type(name, (), {"__init__": lambda self, *a, **k: None, "__call__": lambda self, *a, **k: None})
 
 
-def _import_parser_builder():
-    """upstream's ``add_megatron_arguments``; third-party modules its package imports but the parser
-    does not need (tokenizer libraries) are replaced by empty stand-ins."""
+def _import_parser_builder(checkout: str):
+    """upstream's ``add_megatron_arguments`` from the checkout's ``megatron/training`` (the rest of
+    ``megatron``, i.e. ``megatron.core``, is the installed one: the matching release); third-party
+    modules its package imports but the parser does not need (tokenizer libraries) are replaced by
+    empty stand-ins."""
     for _ in range(50):
         # the package without its __init__ (which imports the whole training stack)
         package = types.ModuleType("megatron.training")
-        package.__path__ = [str(Path(sys.path[0]) / "megatron" / "training")]
+        package.__path__ = [str(Path(checkout) / "megatron" / "training")]
         sys.modules["megatron.training"] = package
         for name in ("get_args", "get_timers", "get_adlr_autoresume", "get_tokenizer", "print_rank_0",
                      "get_one_logger", "get_wandb_writer", "get_tensorboard_writer"):
@@ -75,8 +77,7 @@ def _import_parser_builder():
 
 
 def main(checkout: str, tag: str, out: str | None = None) -> None:
-    sys.path.insert(0, checkout)
-    add_megatron_arguments = _import_parser_builder()
+    add_megatron_arguments = _import_parser_builder(checkout)
 
     parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     flags = []

@@ -55,10 +55,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ciera.codecs.formats import as_bits  # noqa: E402
 import ciera.codecs  # noqa: E402,F401  (registers the codecs)
+from ciera.codecs.formats import as_bits  # noqa: E402
 from ciera.codecs.registry import REGISTRY  # noqa: E402
 
 

@@ -387,10 +387,8 @@ def preprocess(
         nonempty = nonempty_documents()
         encoded: Iterable[tuple[str, numpy.ndarray]]
         if workers > 1:
-            # Spawned workers import this file by module name: keep its folder on their sys.path.
-            tool_dir = os.path.dirname(os.path.abspath(__file__))
-            if tool_dir not in sys.path:
-                sys.path.append(tool_dir)
+            # Spawned workers import this file by module name: tools.preprocess_data (installed),
+            # or __main__ (spawn runs the script's path again).
             pool = multiprocessing.get_context("spawn").Pool(workers)
             encoded = _encode_in_pool(
                 texts=nonempty, pool=pool, spec=(tokenizer_kind, tokenizer_file, eod_token),

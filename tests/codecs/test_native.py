@@ -36,7 +36,8 @@ import test_exponent_reuse
 from ciera import native
 from ciera.codecs import HEADER_BYTES, as_bits, make_codec
 from ciera.codecs.base import Codec
-from ciera.cost_model import CodecEstimate, CodecSpeed, LinkModel, decide, measure_codec_speed
+from ciera.cost_model import CodecEstimate, CodecSpeed, LinkModel, decide
+from ciera.measure import measure_codec_speed
 from ciera.native import _lib
 from ciera.trajectory import AdamTrajectory, adversarial_step
 

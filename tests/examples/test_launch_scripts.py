@@ -175,11 +175,8 @@ def test_environment_reaches_the_command(monkeypatch, tmp_path):
 
 
 def test_byte_vocab_matches_preprocess_tool():
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import preprocess_data
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
+    from tools import preprocess_data
+
     argv = split_command(dry_run(train_script("olmoe"), TOKENIZER="byte"))[1]
     assert int(flag_value(argv, "--vocab-size")) == preprocess_data.BYTE_VOCAB_SIZE == preprocess_data.BYTE_EOD
 

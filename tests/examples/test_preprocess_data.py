@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import csv
 import gzip
-import importlib.util
+import importlib
 import json
 import subprocess
 import sys
@@ -18,15 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "preprocess_data.py"
 
 
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("preprocess_data", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("preprocess_data", module)  # spawn workers pickle functions by module name
-    spec.loader.exec_module(module)
-    return sys.modules["preprocess_data"]
-
-
-pp = _load_tool()
+pp = importlib.import_module("tools.preprocess_data")  # spawn workers import it by this name too
 
 
 def read_back(prefix: str) -> list[numpy.ndarray]:

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from ciera.cost_model import LinkModel, TwoLevelLink
+from ciera.cost_model import LinkModel
+from tools.sim.links import TwoLevelLink
 from tools.sim import simulate, traces_from_config
 from tools.sim.timeline import estimates, simulate_iteration
 from tools.sim.trace import (

@@ -18,7 +18,7 @@ LINK = LinkModel(bandwidth_bytes_per_s=320e6, latency_s=0.0)  # raw: 26.2 ms
 
 @pytest.fixture(autouse=True)
 def _no_collective(monkeypatch):
-    monkeypatch.setattr(selection.cm, "agree", lambda *, values, group=None, device=None: list(values))
+    monkeypatch.setattr(selection.measure, "agree", lambda *, values, group=None, device=None: list(values))
 
 
 def _selector(*, enc_s: float, dec_s: float, wire_ratio: float = 0.177, config=None):
@@ -177,7 +177,7 @@ def test_refined_link_keeps_each_sizes_faster_time(monkeypatch):
     """Measurements.refine_link: the second measurement is folded in size by size (the faster
     time wins), once; a given link is never re-measured."""
     runs = iter([[0.004, 0.010, 0.030], [0.002, 0.012, 0.020]])
-    monkeypatch.setattr(selection.cm, "measure_link_times", lambda *, group, device, sizes: next(runs))
+    monkeypatch.setattr(selection.measure, "measure_link_times", lambda *, group, device, sizes: next(runs))
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
     m = selection.Measurements()
     first = m.link_for(group=None, device="cpu", shard_bytes=8 << 20)

@@ -35,24 +35,22 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from ciera.cost_model import agree, fit_latency_bandwidth, measure_link  # noqa: E402
-from ciera.trajectory import AdamTrajectory  # noqa: E402
-from tools.sim.timeline import simulate_iteration  # noqa: E402
-from tools.sim.trace import (  # noqa: E402
+from ciera.cost_model import fit_latency_bandwidth
+from ciera.measure import agree, measure_link
+from ciera.trajectory import AdamTrajectory
+from tools.sim.timeline import simulate_iteration
+from tools.sim.trace import (
     CLUSTER_SCHEMA, TRACE_SCHEMA, cluster_from_dict, save_json, trace_from_dict,
 )
-from ciera.testing import free_port  # noqa: E402
+from ciera.testing import free_port
 
 
 def _calibrate(a: torch.Tensor, c: torch.Tensor, reps: int = 50) -> float:
@@ -212,7 +210,7 @@ def to_trace_and_cluster(*, rec: dict, world: int, cfg: dict) -> tuple[dict, dic
     bw, lat = rec["link"]
     cluster = dict(schema=CLUSTER_SCHEMA, name=f"this machine, gloo loopback x{world}", gpus_per_node=world,
                    intra_bandwidth_bytes_per_s=bw, intra_latency_s=lat, inter_bandwidth_bytes_per_s=bw,
-                   inter_latency_s=lat, algorithm="ring", meta={"fitted by": "ciera.cost_model.measure_link"})
+                   inter_latency_s=lat, algorithm="ring", meta={"fitted by": "ciera.measure.measure_link"})
     return trace, cluster
 
 

@@ -13,15 +13,11 @@ stream). See tools/sim/README.md for the timeline model.
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repo root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from tools.sim.timeline import AUTO, IterationResult, modes_for, simulate_iteration  # noqa: E402
-from tools.sim.trace import Cluster, Trace, load_cluster, load_trace  # noqa: E402
+from tools.sim.timeline import AUTO, IterationResult, modes_for, simulate_iteration
+from tools.sim.trace import Cluster, Trace, load_cluster, load_trace
 
 OVL = "auto+ovl"
 

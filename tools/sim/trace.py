@@ -12,7 +12,9 @@ from pathlib import Path
 
 import torch
 
-from ciera.cost_model import CodecSpeed, LinkModel, TwoLevelLink
+from ciera.cost_model import CodecSpeed, LinkModel
+
+from .links import TwoLevelLink
 
 TRACE_SCHEMA = "ciera-sim-trace/1"
 CLUSTER_SCHEMA = "ciera-sim-cluster/1"

@@ -29,19 +29,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
+import torch
 
-from ciera.codecs import available_codecs, make_codec, read_headers  # noqa: E402
-from ciera.cost_model import measure_codec_speed  # noqa: E402
-from ciera.trajectory import AdamTrajectory  # noqa: E402
-from tools.sim.trace import TRACE_SCHEMA, save_json, trace_from_dict  # noqa: E402
+from ciera.codecs import available_codecs, make_codec, read_headers
+from ciera.measure import measure_codec_speed
+from ciera.trajectory import AdamTrajectory
+from tools.sim.trace import TRACE_SCHEMA, save_json, trace_from_dict
 
 A100_BF16_FLOPS = 312e12
 DEFAULT_SPEED_GBPS = {"exponent_reuse": (400.0, 400.0), "delta": (130.0, 130.0)}

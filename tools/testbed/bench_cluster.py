@@ -37,12 +37,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
-from tools.bench_training import ITER_MS, model_flags  # noqa: E402
-from tools.testbed.netns import LinkSpec, Testbed, TestbedConfig, TestbedUnavailable, parse_rate  # noqa: E402
-from tools.testbed.sim_testbed import PROBE_SIZES, predict, probe_duplex, probe_gloo, probe_latency, probe_link  # noqa: E402
-from tools.testbed.testbed import torchrun_command  # noqa: E402
+from tools.bench_training import ITER_MS, model_flags
+from tools.testbed.netns import LinkSpec, Testbed, TestbedConfig, TestbedUnavailable, parse_rate
+from tools.testbed.sim_testbed import PROBE_SIZES, predict, probe_duplex, probe_gloo, probe_latency, probe_link
+from tools.testbed.testbed import torchrun_command
 
 TRAIN_MODES = {
     "baseline": [],

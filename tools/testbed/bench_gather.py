@@ -27,19 +27,17 @@ import dataclasses
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from ciera import CieraAllGather, CieraConfig  # noqa: E402
-from ciera.codecs import as_bits  # noqa: E402
-from ciera.cost_model import measure_link  # noqa: E402
-from ciera.trajectory import AdamTrajectory  # noqa: E402
+from ciera import CieraAllGather, CieraConfig
+from ciera.codecs import as_bits
+from ciera.measure import measure_link
+from ciera.trajectory import AdamTrajectory
+from tools._common import timed_collective
 
 FORCED = ("exponent_reuse", "delta")
 LINK_FIT_SIZES = (1 << 16, 1 << 18, 1 << 20)
@@ -111,14 +109,6 @@ def run(*, numel: int, modes: list[str], lr: float, warmup: int, steps: int, buc
     prepare = {m: [] for m in modes}  # the slowest rank's encode + agreement seconds per step
     before = {}
 
-    def timed(fn) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a gather is as slow as its slowest rank
-        return float(t)
-
     for step in range(warmup + steps):
         if step == warmup:
             before = {m: [g.stats for g in gs] for m, gs in multi.items()}
@@ -129,11 +119,11 @@ def run(*, numel: int, modes: list[str], lr: float, warmup: int, steps: int, buc
         order = order[k:] + order[:k]
         for name in order:
             if name == "plain":
-                t = timed(lambda: _plain_gather(plain_b.views, world, rank))
+                t = timed_collective(lambda: _plain_gather(plain_b.views, world, rank), slowest=True)
             else:
                 bufs[name].set_shard(x)
                 prep = []
-                t = timed(lambda: prep.append(_ciera_gather(multi[name])))
+                t = timed_collective(lambda: prep.append(_ciera_gather(multi[name])), slowest=True)
                 p = torch.tensor(prep, dtype=torch.float64)
                 dist.all_reduce(p, op=dist.ReduceOp.MAX)
                 if step >= warmup:

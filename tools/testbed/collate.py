@@ -16,14 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from tools.testbed.bench_cluster import plot, report  # noqa: E402
-from tools.testbed.netns import parse_rate  # noqa: E402
-from tools.testbed.sim_testbed import predict, predict_baseline, single_core_speeds  # noqa: E402
+from tools.testbed.bench_cluster import plot, report
+from tools.testbed.netns import parse_rate
+from tools.testbed.sim_testbed import predict, predict_baseline, single_core_speeds
 
 
 def merge(files: list[Path]) -> tuple[list[dict], list[dict]]:

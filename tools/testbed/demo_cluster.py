@@ -19,11 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from tools.testbed.bench_cluster import bench_train, train_flags  # noqa: E402
-from tools.testbed.netns import LinkSpec, Testbed, TestbedConfig, TestbedUnavailable  # noqa: E402
-from tools.testbed.sim_testbed import probe_link  # noqa: E402
+from tools.testbed.bench_cluster import bench_train, train_flags
+from tools.testbed.netns import LinkSpec, Testbed, TestbedConfig, TestbedUnavailable
+from tools.testbed.sim_testbed import probe_link
 
 RUNS = [("baseline", "Megatron all-gather"), ("auto", "--ciera-allgather (auto)"),
         ("exponent_reuse", "--ciera-allgather, exponent_reuse forced")]

@@ -6,7 +6,7 @@ Inputs are measured independently of the times being predicted:
   pair by ``link_probe.py`` (:func:`probe_gloo`: single gathers per size after an idle link,
   medians) with the shaper's burst (:func:`shaper_burst`); else gloo's fitted link
   (``measure_link``) or the TCP probes (``probe_link``, ``probe_duplex``, ``probe_latency``) and
-  the layout (ranks of one host share its link, as :class:`ciera.cost_model.TwoLevelLink` with
+  the layout (ranks of one host share its link, as :class:`tools.sim.links.TwoLevelLink` with
   one NIC per node models it; ranks on one host talk over loopback at ``LOOPBACK_BYTES_PER_S``);
 * the **codec speeds**: encode and decode seconds, from the codec's own timers (the gather
   benchmark's slowest rank; a training run's ``ciera-encode`` / ``ciera-decode`` timers);
@@ -27,7 +27,6 @@ forward-backward grows by the whole gather: nothing hides).
 from __future__ import annotations
 
 import bisect
-import itertools
 import json
 import os
 import re
@@ -37,9 +36,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ciera.cost_model import (
-    CodecEstimate, CodecSpeed, HostShare, LinkModel, TwoLevelLink, agreement_time, predict_compressed, predict_raw,
-)
+from ciera.cost_model import CodecEstimate, CodecSpeed, LinkModel, agreement_time, predict_compressed, predict_raw
+from tools.sim.links import HostShare, TwoLevelLink
 
 LOOPBACK_BYTES_PER_S = 2e9
 """Ranks on one host exchange through loopback TCP; far faster than any shaped link here."""
@@ -230,7 +228,7 @@ def link_for(cfg: dict) -> LinkModel | TwoLevelLink:
 
     Preferred: :class:`MeasuredLink`, gloo's all-gather timed on this testbed's host pair at the
     sizes that matter (``cfg['gloo_probe']``, :func:`probe_gloo`). Next: gloo's own all-gather fitted at smaller sizes than the timed gathers
-    (``gather.gloo_link``, :func:`ciera.cost_model.measure_link`, what ``auto`` measures at run
+    (``gather.gloo_link``, :func:`ciera.measure.measure_link`, what ``auto`` measures at run
     time): a flat ring of ``world - 1`` steps whose per-byte cost includes what TCP probes miss
     (gloo moves one stream per peer in chunks and pays its own copies; on this testbed a single
     gloo gather reaches ~65-75% of the TCP probe's rate).
@@ -303,7 +301,7 @@ def predict(cfg: dict, *, single_core: dict[str, CodecSpeed] | None = None) -> d
         if shared:
             agree *= host.slowdown
         return predict_compressed(raw_bytes_per_rank=shard, world=world, link=link, estimate=est,
-                                  agreement_s=agree, host=host if shared else None).total_s
+                                  agreement_s=agree, codec_slowdown=host.slowdown if shared else 1.0).total_s
 
     if g:
         world = g["world"]
@@ -395,7 +393,8 @@ def compressed_sequence(link, *, world: int, buckets: list[float], estimate: Cod
     group) and launched; its payloads cross back to back while the host encodes the next wave.
     Once every wave is launched the host decodes each bucket in order, as soon as its payload has
     arrived."""
-    per = [predict_compressed(raw_bytes_per_rank=b, world=world, link=link, estimate=estimate, host=host)
+    per = [predict_compressed(raw_bytes_per_rank=b, world=world, link=link, estimate=estimate,
+                               codec_slowdown=1.0 if host is None else host.slowdown)
            for b in buckets]
     wire = [b * estimate.wire_ratio for b in buckets]
     if waves <= 0:

@@ -26,9 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from tools.testbed.netns import (LinkSpec, Testbed, TestbedConfig, TestbedUnavailable,  # noqa: E402
+from tools.testbed.netns import (LinkSpec, Testbed, TestbedConfig, TestbedUnavailable,
                                  remove_stale)
 
 
