@@ -6,6 +6,7 @@ and the cost model's measurements wait for the same work.
 
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 from typing import Callable
@@ -15,7 +16,7 @@ import torch.distributed as dist
 
 from ciera.measure import synchronize
 
-__all__ = ["synchronize", "timed", "timed_collective", "write_table"]
+__all__ = ["median_seconds", "synchronize", "timed", "timed_collective", "write_table"]
 
 
 def timed(fn: Callable[[], object], *, device, cpu_clock: Callable[[], float] = time.process_time
@@ -28,6 +29,13 @@ def timed(fn: Callable[[], object], *, device, cpu_clock: Callable[[], float] = 
     fn()
     synchronize(device)
     return time.perf_counter() - w0, cpu_clock() - c0
+
+
+def median_seconds(fn: Callable[[], object], *, device, repeats: int, warmup: int = 0) -> float:
+    """Median wall seconds of ``repeats`` calls of ``fn`` (:func:`timed`), after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    return statistics.median(timed(fn, device=device)[0] for _ in range(repeats))
 
 
 def timed_collective(fn: Callable[[], object], *, device="cpu", group=None, slowest: bool = False) -> float:

@@ -14,7 +14,6 @@ checked bit for bit against the loop.
 from __future__ import annotations
 
 import argparse
-import statistics
 from pathlib import Path
 
 import torch
@@ -22,7 +21,7 @@ import torch
 from ciera.codecs import HEADER_BYTES, as_bits, make_codec
 from ciera.codecs.base import align_up
 from ciera.trajectory import AdamTrajectory
-from tools._common import synchronize, timed, write_table
+from tools._common import median_seconds, synchronize, write_table
 
 
 def _payloads(codec, world, numel, device):
@@ -89,7 +88,7 @@ def main(argv=None) -> int:
         times = {}
         for label, fn in (("batched", batched), ("loop", looped)):
             fn()  # warm-up (compiles kernels)
-            times[label] = statistics.median(timed(fn, device=device)[0] for _ in range(args.repeats))
+            times[label] = median_seconds(fn, device=device, repeats=args.repeats)
             if not torch.equal(as_bits(targets[1:]), as_bits(new[1:])):
                 raise AssertionError(f"{name} {label}: decoded shards differ from the encoded ones")
         copy_launches = _launches(lambda: targets.copy_(prev), device) or 0

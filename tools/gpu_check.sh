@@ -82,9 +82,7 @@ returns an ``nvcomp.Array`` of the compressed bytes (``buffer_size``: their numb
 codec's own stream, hence ``torch.cuda.synchronize()`` (a device-wide sync) around every timing;
 ``codec.decode(array, data_type="|u1")`` returns the decoded ``nvcomp.Array`` (it exports
 ``__dlpack__``). Every row is independent: a failure is written into its row and the next one runs."""
-import statistics
 import sys
-import time
 import traceback
 
 import torch
@@ -92,6 +90,7 @@ from nvidia import nvcomp
 
 from ciera.codecs import as_bits, make_codec
 from ciera.trajectory import AdamTrajectory
+from tools._common import median_seconds
 
 numel, out_md = int(sys.argv[1]), sys.argv[2]
 dev = torch.device("cuda")
@@ -105,15 +104,7 @@ print("nvcomp", nvcomp.__version__, "cuda", nvcomp.__cuda_version__, flush=True)
 
 
 def timed(fn, reps=5):
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+    return median_seconds(fn, device=dev, repeats=reps, warmup=1)
 
 
 def to_torch(arr) -> torch.Tensor:
