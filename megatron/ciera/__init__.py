@@ -4,6 +4,7 @@
 and there must never be a ``megatron/__init__.py``.
 
 - :mod:`megatron.ciera.bucket_group`: the one dispatch point replacing the parameter all-gather
+- :mod:`megatron.ciera.upstream_patch`: every patch of megatron-core's objects, gated by version
 - :mod:`megatron.ciera.arguments`: Megatron-LM's whole command line (``upstream_flags.json``) plus ``--ciera-*``
 - :mod:`megatron.ciera.flag_policy`: the one table of what each upstream flag does here
 - :mod:`megatron.ciera.model`: configs derived from megatron-core's dataclasses, layer specs, model chunks
