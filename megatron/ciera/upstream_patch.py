@@ -1,6 +1,7 @@
-"""Everything CIERA does to megatron-core's objects, in one module, gated by megatron-core version.
+"""Everything the gather binding does to megatron-core's objects, in one module, gated by version.
 
-:mod:`megatron.ciera.bucket_group` schedules the gathers on its own state and reaches
+(The CPU-only shims are :mod:`megatron.ciera.cpu_compat`'s; the checkpoint workarounds carry their
+own gates.) :mod:`megatron.ciera.bucket_group` schedules the gathers on its own state and reaches
 megatron-core only through the functions here:
 
 * :func:`attach` shadows a bucket group's ``start_param_sync`` with :func:`start_param_sync` (an
@@ -135,8 +136,9 @@ KNOWN_SOURCES: Mapping[str, Mapping[str, str]] = MappingProxyType({
         f"{_MOE}.RouterGatingLinearFunction.forward": "98b85eb43d9dae24",
     }),
 })
-"""megatron-core version -> {:attr:`UpstreamMethod.name`: :func:`source_digest`}, for every
-version whose sources were re-checked against this module."""
+"""megatron-core version -> {:attr:`UpstreamMethod.name`: :func:`source_digest`, or ``missing``
+where that version has no such method}, for every version whose listed methods were re-read
+against this module. Add a version only after that re-reading; the test prints its digests."""
 
 
 def installed_version() -> str:
@@ -332,8 +334,8 @@ def unwrap_optimizer_steps(optimizers: Iterable) -> None:
         original = getattr(opt.step_with_ready_grads, "ciera_wrapped", None)
         if original is None:
             continue
-        if getattr(original, "__self__", None) is opt and original.__func__ is getattr(type(opt), "step_with_ready_grads",
-                                                                                     None):
+        from_class = getattr(type(opt), "step_with_ready_grads", None)
+        if getattr(original, "__self__", None) is opt and getattr(original, "__func__", None) is from_class:
             del opt.step_with_ready_grads  # the class method shows through again
         else:
             opt.step_with_ready_grads = original
