@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from .config import CieraConfig
 from .selection import Measurements
@@ -51,10 +52,29 @@ class CieraFsdpAllGather(AllGather if AllGather is not None else object):
         return self.gather.allocate(numel=math.prod(int(s) for s in size), dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, async_op: bool = False):
-        """The gather completes here (decoded before this returns; on CUDA in stream order), so
-        there is no work handle to return."""
-        self.gather.gather(output=output_tensor, input=input_tensor, group=group)
-        return None
+        """Launch the gather; with ``async_op`` return a work whose ``wait()`` (called by FSDP2 before
+        it copies the parameters out) completes it, so the transfer overlaps FSDP2's compute."""
+        handle = self.gather.start(output=output_tensor, input=input_tensor, group=group)
+        if not async_op:
+            handle.wait()
+            return None
+        return _HandleWork(handle)
+
+
+class _HandleWork(dist.Work):
+    """A :class:`torch.distributed.Work` over a :class:`ciera.zero3.Zero3Handle` (FSDP2 waits only
+    on ``Work`` instances)."""
+
+    def __init__(self, handle):
+        super().__init__()
+        self._handle = handle
+
+    def wait(self, timeout=None) -> bool:
+        self._handle.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._handle.done
 
 
 @dataclass

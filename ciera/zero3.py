@@ -70,6 +70,8 @@ class Zero3Gather:
         self.group, self.name, self.stepped = group, name, stepped
         self._measurements = measurements
         self._inner: CieraAllGather | None = None
+        self._handle: Zero3Handle | None = None
+        self._others: torch.Tensor | None = None  # the other ranks' rows, on the device
         self._values: torch.Tensor | None = None  # cache='values': the persistent gathered buffer
         self._exps: torch.Tensor | None = None  # cache='exponents': [world, n] uint8
         self._sent: torch.Tensor | None = None  # this rank's shard as last sent fresh
@@ -94,8 +96,16 @@ class Zero3Gather:
         return self._values
 
     def gather(self, *, output: torch.Tensor, input: torch.Tensor, group=None) -> None:
-        """``output`` becomes ``all_gather_into_tensor(output, input)``, bit for bit (synchronously
-        on CPU; on CUDA in stream order on the current stream)."""
+        """``output`` becomes ``all_gather_into_tensor(output, input)``, bit for bit:
+        :meth:`start` then ``wait()``."""
+        self.start(output=output, input=input, group=group).wait()
+
+    def start(self, *, output: torch.Tensor, input: torch.Tensor, group=None) -> "Zero3Handle":
+        """Propose (encode when fresh), agree and launch the gather into ``output``; the returned
+        handle's ``wait()`` completes it (decode, caches). Between the two the caller may compute:
+        the collective runs meanwhile. One gather of this unit at a time."""
+        if self._handle is not None and not self._handle.done:
+            raise RuntimeError(f"{self.name}: start() called while the previous gather is not waited on")
         group = self.group if group is None else group
         if self._inner is not None and group is not self._inner.group and group != self._inner.group:
             raise ValueError(f"{self.name}: gathered over a different process group than at its first gather")
@@ -106,9 +116,10 @@ class Zero3Gather:
                              f"{input.numel()} at world {world}")
         self.gathers_this_step += 1
         if world == 1 or output.dtype not in FORMATS or self.config.cache == "none" or self.config.codec == "raw":
-            all_gather_into(output, input, group=group)
+            work = all_gather_into(output, input, group=group, async_op=True)
             self._count_plain(output)
-            return
+            self._handle = Zero3Handle(self, work=work)
+            return self._handle
         rank = dist.get_rank(group)
         n = input.numel()
         buffer = output if self.config.cache != "values" else self._values_for(output)
@@ -121,19 +132,24 @@ class Zero3Gather:
         else:
             fresh = self._fresh or not self.stepped
             if self.config.cache == "exponents":
-                self._seed(buffer, rank)
+                self._seed(buffer)
                 self._inner.rebind(buffer)
         replay = None if fresh else (as_bits(own) != as_bits(self._sent)).sum()
         self._inner.prepare(replay=replay)
         replayed = self._inner.plan.replay
-        self._inner.start().wait()
         if fresh:
             self.fresh_gathers += 1
             self._fresh = False
+        self._handle = Zero3Handle(self, work=self._inner.start(), finish=lambda: self._finish(
+            buffer=buffer, output=output, own=own, replayed=replayed))
+        return self._handle
+
+    def _finish(self, *, buffer: torch.Tensor, output: torch.Tensor, own: torch.Tensor, replayed: bool) -> None:
+        """After the inner gather's ``wait()``: the caches follow what receivers now hold."""
         if not replayed:  # receivers now hold this shard exactly (a failed replay was raw)
             self._sent.copy_(own)
-        if self.config.cache == "exponents" and not replayed:
-            self._exps.copy_(_exponents(buffer).view(world, n))
+            if self.config.cache == "exponents":
+                self._exps.copy_(_exponents(buffer).view(self._exps.shape))
         if buffer is not output:
             output.copy_(buffer)
 
@@ -199,7 +215,7 @@ class Zero3Gather:
         per_value = buffer.element_size() if self.config.cache == "values" else 1
         return world * n * per_value + n * buffer.element_size()
 
-    def _seed(self, buffer: torch.Tensor, rank: int) -> None:
+    def _seed(self, buffer: torch.Tensor) -> None:
         """The other ranks' slots of a fresh buffer get their cached exponents (sign and mantissa
         0): all ``exponent_reuse``'s decode reads of a target."""
         fmt = float_format(buffer.dtype)
@@ -215,6 +231,23 @@ class Zero3Gather:
         b = output.numel() * output.element_size()
         s.raw_bytes += b
         s.wire_bytes += b
+
+
+class Zero3Handle:
+    """Returned by :meth:`Zero3Gather.start`; :meth:`wait` completes the gather. Idempotent."""
+
+    def __init__(self, owner: Zero3Gather, *, work, finish=None):
+        self._owner, self._work, self._finish = owner, work, finish
+        self.done = False
+
+    def wait(self) -> None:
+        """Wait for the collective, decode the other ranks' payloads, update the caches."""
+        if self.done:
+            return
+        self.done = True
+        self._work.wait()
+        if self._finish is not None:
+            self._finish()
 
 
 def _exponents(buffer: torch.Tensor) -> torch.Tensor:
