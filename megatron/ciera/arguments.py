@@ -185,6 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"every N gathers, compare a 64-bit hash of every gathered shard across ranks "
                         f"and stop naming the bucket on a mismatch (default {d.verify_interval}: off). "
                         "For debugging or new hardware; costs one small collective per check")
+    g.add_argument("--ciera-cache", choices=["exponents", "values", "none"], default=None,
+                   help=f"with --use-torch-fsdp2 (ZeRO-3: the gathered parameters are freed after use), what "
+                        f"each rank keeps of the others' shards between gathers (default {d.cache}). exponents: "
+                        "1 byte per parameter, exponent_reuse only (the paper's design); values: the unsharded "
+                        "parameters (the memory ZeRO-3 saves), any codec, delta included, and a step's backward "
+                        "gathers send nothing; none: every gather plain. Ignored by the distributed optimizer")
     g.add_argument("--ciera-snapshot-dir", default=None, metavar="DIR",
                    help="rank 0 saves the gathered parameters here for tools/exponent_stats.py "
                         "(default: none; needs --ciera-snapshot-interval)")
@@ -307,9 +313,13 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None, *, de
         err("--overlap-param-gather requires --use-distributed-optimizer")
     if args.overlap_param_gather and not args.overlap_grad_reduce:
         err("--overlap-param-gather requires --overlap-grad-reduce (as in Megatron-LM)")
-    if args.ciera_allgather and not args.use_distributed_optimizer:
-        err("--ciera-allgather requires --use-distributed-optimizer (it replaces the distributed "
-            "optimizer's parameter all-gather)")
+    if args.ciera_allgather and not (args.use_distributed_optimizer or args.use_torch_fsdp2):
+        err("--ciera-allgather requires --use-distributed-optimizer or --use-torch-fsdp2 (it replaces "
+            "their parameter all-gather)")
+    if args.use_torch_fsdp2:
+        from .fsdp2 import check_args
+
+        check_args(args, err)
     # --ciera-codec etc. without --ciera-allgather are inert (launch scripts pass the same tuning
     # flags to the baseline and the CIERA run, so that --ciera-allgather is the only difference).
     if (args.ciera_snapshot_dir is None) != (args.ciera_snapshot_interval is None):
@@ -577,5 +587,6 @@ def ciera_config_from_args(args: argparse.Namespace):
         "warmup_gathers": args.ciera_warmup_iters,
         "selection": args.ciera_selection,
         "verify_interval": args.ciera_verify_interval,
+        "cache": args.ciera_cache,
     }
     return CieraConfig(**{k: v for k, v in fields.items() if v is not None})

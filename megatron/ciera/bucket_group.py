@@ -40,7 +40,7 @@ from . import upstream_patch as upstream
 logger = logging.getLogger(__name__)
 
 __all__ = ["install", "uninstall", "invalidate_param_caches", "prepare_param_gathers", "finish_param_gathers",
-           "after_optimizer_step", "bucket_stats"]
+           "after_optimizer_step", "bucket_stats", "summary"]
 
 
 class _GroupHandle:
@@ -290,3 +290,10 @@ def prepare_param_gathers(ddp_models: Iterable) -> int:
 def bucket_stats(ddp_models: Iterable) -> list[tuple[str, object]]:
     """``(bucket name, gather.stats)`` for every CIERA bucket gathered so far, in a fixed order."""
     return [(f"{s.name}.bucket{i}", gather.stats) for s in _installed(ddp_models) for i, gather in enumerate(s.gathers)]
+
+
+def summary(ddp_models: Iterable) -> str:
+    """The closing summary of a run: every bucket's counters (:func:`bucket_stats`) as a table."""
+    from .logging_utils import bucket_table
+
+    return bucket_table(bucket_stats(ddp_models), "CIERA summary (bytes received by rank 0):")

@@ -5,7 +5,8 @@ buffers allocated on ``torch.cuda.current_device()``, ``device='cuda'`` tensors 
 pinned host staging tensors, a type check that wants ``torch.cuda.*Tensor`` names, CUDA streams
 and events around the collectives, the CUDA RNG state in the tensor-parallel RNG tracker, two collectives gloo
 lacks (uneven list ``all_gather``, list ``reduce_scatter``: MoE token exchange under TP), and the
-pipeline's early free of sent activations, which relies on CUDA's stream-ordered allocator.
+pipeline's early free of sent activations, which relies on CUDA's stream-ordered allocator, and the
+FSDP2 wrapper's ``"cuda"`` device mesh.
 :func:`enable` redirects exactly those to the CPU so that DDP + the distributed optimizer +
 GPTModel (local spec) run on gloo ranks; nothing else is changed.
 
@@ -166,8 +167,20 @@ def _keep_sent_output(out, deallocate_pipeline_outputs=False):
     out._ciera_sent_storage = sent
 
 
+class _CpuDeviceMesh:
+    """``DeviceMesh`` as megatron-core's FSDP2 wrapper sees it: ``from_group(group, "cuda")``
+    builds the mesh on the CPU (gloo); everything else is torch's ``DeviceMesh``."""
+
+    @staticmethod
+    def from_group(group, device_type, *args, **kwargs):
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh.from_group(group, "cpu" if device_type == "cuda" else device_type, *args, **kwargs)
+
+
 def _patches() -> list[tuple[object, str, object]]:
     """(owner, attribute, replacement) for everything replaced while active."""
+    from megatron.core.distributed import torch_fully_sharded_data_parallel as torch_fsdp2
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
@@ -205,6 +218,7 @@ def _patches() -> list[tuple[object, str, object]]:
         (torch.distributed, "all_gather", _uneven_all_gather(torch.distributed.all_gather)),
         (torch.distributed, "reduce_scatter", _list_reduce_scatter),
         (schedules, "deallocate_output_tensor", _keep_sent_output),
+        (torch_fsdp2, "DeviceMesh", _CpuDeviceMesh),  # --use-torch-fsdp2: a CPU mesh
     ]
     return patches
 

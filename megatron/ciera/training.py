@@ -7,9 +7,10 @@ Set-up, in this order (each step needs the previous one):
    compared, Megatron-Core's TP / PP (+ virtual) / CP / EP / ETP groups, seeds;
 3. one GPTModel per (virtual) pipeline stage (:mod:`megatron.ciera.model`: configs derived from
    megatron-core's dataclasses; TE spec on GPU when installed, local spec on CPU) in bf16/fp16 via
-   Float16Module, each wrapped in DDP, then the distributed optimizer and LR scheduler;
+   Float16Module, each wrapped in DDP (``--use-torch-fsdp2``: megatron-core's FSDP2 wrapper), then
+   the (distributed) optimizer and LR scheduler;
 4. CIERA on the DDP bucket groups (``--ciera-allgather``): from here on every parameter all-gather
-   goes through :mod:`megatron.ciera.bucket_group`;
+   goes through :mod:`megatron.ciera.bucket_group` (FSDP2: every unit's, :mod:`megatron.ciera.fsdp2`);
 5. checkpoint load (which invalidates CIERA's caches), then the loop: Megatron-Core's
    ``get_forward_backward_func()`` schedule (no pipelining, 1F1B or interleaved), optimizer step.
 
@@ -30,7 +31,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from . import bucket_group as ciera_binding
+from . import bucket_group
+from . import fsdp2 as fsdp2_binding
 from . import checkpointing, data, evaluation, logging_utils, parallel, timers, upstream_notices
 from . import model as model_lib
 from .arguments import ciera_config_from_args, parse_args
@@ -55,8 +57,15 @@ def _log_selection_decisions(args) -> None:
     lg.propagate = False
 
 
+def _binding(args):
+    """The one dispatch point between the two ways parameters are gathered: FSDP2's units
+    (``--use-torch-fsdp2``, :mod:`megatron.ciera.fsdp2`) or the distributed optimizer's bucket groups
+    (:mod:`megatron.ciera.bucket_group`). Both modules offer the same functions to the loop."""
+    return fsdp2_binding if args.use_torch_fsdp2 else bucket_group
+
+
 def build_model_and_optimizer(args, vocab_size: int):
-    """Step 3: model chunks -> Float16Module -> DDP, distributed optimizer, scheduler."""
+    """Step 3: model chunks -> Float16Module -> DDP (or FSDP2), the optimizer, scheduler."""
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import get_megatron_optimizer
@@ -66,11 +75,14 @@ def build_model_and_optimizer(args, vocab_size: int):
     chunks = model_lib.build_model_chunks(args, config, vocab_size)
     if args.bf16 or args.fp16:
         chunks = [Float16Module(config, chunk) for chunk in chunks]
-    ddp_config = model_lib.ddp_config(args)
-    # Only the first chunk buckets its gradients (as Megatron-LM: with several virtual stages the
-    # others communicate as one bucket each).
-    model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
-             for i, chunk in enumerate(chunks)]
+    if args.use_torch_fsdp2:
+        model = fsdp2_binding.wrap(chunks, config=config, args=args)
+    else:
+        # Only the first chunk buckets its gradients (as Megatron-LM: with several virtual stages
+        # the others communicate as one bucket each).
+        ddp_config = model_lib.ddp_config(args)
+        model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
+                 for i, chunk in enumerate(chunks)]
     for chunk in model:
         chunk.broadcast_params()
 
@@ -144,7 +156,8 @@ def params_sha256(model) -> str:
             for name, p in _unwrapped(chunk).named_parameters():
                 if (getattr(p, "allreduce", True)) == (kind == "dense"):
                     h.update(f"{i}.{name}".encode())
-                    h.update(p.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+                    full = p.full_tensor() if hasattr(p, "full_tensor") else p  # FSDP2: a collective
+                    h.update(full.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
         digests[kind] = h.hexdigest()
     dense_key, expert_key = _replica_keys()
     mine = [(("dense",) + dense_key, digests["dense"]), (("expert",) + expert_key, digests["expert"])]
@@ -187,9 +200,9 @@ def _install_ciera(args, model, optimizer, opt_config):
     """Step 4: CIERA on the DDP bucket groups (``None`` without ``--ciera-allgather``)."""
     ciera_config = ciera_config_from_args(args)
     if ciera_config is not None:
-        n = ciera_binding.install(model, ciera_config, optimizer_config=opt_config, log=_print0,
-                                  optimizer=optimizer)
-        _print0(f"CIERA all-gather on {n} bucket group(s): {ciera_config}")
+        n = _binding(args).install(model, ciera_config, optimizer_config=opt_config, log=_print0,
+                                   optimizer=optimizer)
+        _print0(f"CIERA all-gather on {n} {'FSDP2 unit' if args.use_torch_fsdp2 else 'bucket group'}(s): {ciera_config}")
     return ciera_config
 
 
@@ -197,7 +210,7 @@ def _load_checkpoint(args, model, optimizer, scheduler) -> int:
     """Step 5: the checkpoint (if any); CIERA keeps no checkpoint state, its caches are dropped."""
     start_iter = checkpointing.load(args, model=model, optimizer=optimizer, scheduler=scheduler)
     if args.load:
-        ciera_binding.invalidate_param_caches(model)  # the first gather after a load is raw
+        _binding(args).invalidate_param_caches(model)  # the first gather after a load is raw
     return start_iter
 
 
@@ -241,7 +254,7 @@ def _train_step(run: _Run, batches):
     update_successful, grad_norm, num_zeros = run.optimizer.step()
     timers("optimizer").stop()
     if run.ciera_config is not None:  # gathers started ahead finished; overlapped ones encoded now
-        ciera_binding.after_optimizer_step(run.model, overlap_param_gather=args.overlap_param_gather)
+        _binding(args).after_optimizer_step(run.model, overlap_param_gather=args.overlap_param_gather)
     if update_successful:
         run.scheduler.step(increment=args.global_batch_size)
     else:
@@ -278,7 +291,7 @@ def _log_interval(run: _Run, grad_norm, num_zeros, interval_start: float) -> Non
     n = max(len(steps), 1)
     seconds = (time.time() - interval_start) / n
     mean = sum(v for _, v in steps) / n
-    stats = ciera_binding.bucket_stats(run.model) if run.ciera_config is not None else None
+    stats = _binding(args).bucket_stats(run.model) if run.ciera_config is not None else None
     interval_stats = interval_bytes = None
     if stats is not None:  # the iteration line and the table show this log interval
         interval_stats = logging_utils.since(stats, run.logged_stats)
@@ -416,7 +429,7 @@ def train(args) -> str:
                   prefix=f"iteration {it} on validation set")
         _evaluate(run, split="test", index=0, prefix=f"iteration {it} on test set")
     if ciera_config is not None:
-        _print0(logging_utils.bucket_table(ciera_binding.bucket_stats(model), "CIERA summary (bytes received by rank 0):"))
+        _print0(_binding(args).summary(model))
     if run.loss_log is not None:
         run.loss_log.close()
     run.writer.close()
