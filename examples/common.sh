@@ -297,6 +297,8 @@ ciera_launcher() {
 ciera_train() {
     ciera_build_args
     ciera_launcher
+    # torchrun's own default, set here so that it does not print a banner about it on every run.
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
     ciera_exec "${CIERA_LAUNCHER[@]}" "$CIERA_ROOT/pretrain_gpt.py" "${CIERA_TRAIN_ARGS[@]}" "$@"
 }
 
