@@ -112,10 +112,10 @@ class Prediction:
     """Encode of the own shard (0 for raw). Counted in ``total_s`` only when not overlapped."""
 
     comm_s: float
-    """All-gather of ``wire_bytes_per_rank`` on the link."""
+    """All-gathers of ``wire_bytes_per_rank`` on the link (a step's, see :class:`StepShape`)."""
 
     decode_s: float
-    """Decode of the ``world - 1`` received payloads (0 for raw)."""
+    """Decodes of the ``world - 1`` received payloads and receiver-cache passes (0 for raw)."""
 
     total_s: float
     """Critical-path seconds: ``comm_s + decode_s`` plus ``encode_s`` when encode is not overlapped."""
@@ -165,9 +165,32 @@ class Decision:
         return self.choice != RAW
 
 
-def predict_raw(*, raw_bytes_per_rank: float, world: int, link: Link) -> Prediction:
-    """Predicted cost of a plain all-gather."""
-    comm = link.allgather_time(bytes_per_rank=raw_bytes_per_rank, world=world)
+@dataclass(frozen=True)
+class StepShape:
+    """How often a shard is gathered per optimizer step and what its later gathers cost. The
+    default is the distributed optimizer's (one gather per step); ZeRO-3 gathers each unit in the
+    forward and again in the backward of every micro-batch (:mod:`ciera.zero3`)."""
+
+    gathers: int = 1
+    """Gathers of the shard per step, all of the same values (the first encodes, the others replay)."""
+    replays_send: bool = True
+    """A replay sends the step's payloads again and decodes them (exponent cache); ``False``: it
+    sends nothing (values cache: the receivers already hold the step's values)."""
+    cache_passes: int = 0
+    """Passes over the gathered values per gather besides the decode (exponent cache: seeding the
+    fresh buffer with the cached exponents and refreshing them), each costed like a decode."""
+
+    def __post_init__(self):
+        if self.gathers < 1 or self.cache_passes < 0:
+            raise ValueError(f"StepShape: gathers={self.gathers} must be >= 1, cache_passes={self.cache_passes} >= 0")
+
+
+ONE_GATHER = StepShape()
+
+
+def predict_raw(*, raw_bytes_per_rank: float, world: int, link: Link, shape: StepShape = ONE_GATHER) -> Prediction:
+    """Predicted cost of a plain all-gather (per step: ``shape.gathers`` of them)."""
+    comm = shape.gathers * link.allgather_time(bytes_per_rank=raw_bytes_per_rank, world=world)
     return Prediction(RAW, float(raw_bytes_per_rank), 0.0, comm, 0.0, comm)
 
 
@@ -179,32 +202,36 @@ def agreement_time(*, link: Link, world: int, buckets: int = 1) -> float:
 
 def predict_compressed(*, raw_bytes_per_rank: float, world: int, link: Link, estimate: CodecEstimate,
                        overlapped_encode: bool = False, agreement_s: float = 0.0,
-                       codec_slowdown: float = 1.0) -> Prediction:
+                       codec_slowdown: float = 1.0, shape: StepShape = ONE_GATHER) -> Prediction:
     """Predicted cost of a compressed all-gather with ``estimate``'s codec: encode (unless
     overlapped), this bucket's share ``agreement_s`` of the size agreement, the collective of the
     exact payloads (``wire_ratio`` of raw per rank) and the batched decode of ``world - 1`` of them.
     Both codec phases take ``codec_slowdown`` times ``estimate.speed``'s time: 1 where each rank
-    has its own compute; more where ranks share CPU cores (the simulator's ``HostShare``)."""
+    has its own compute; more where ranks share CPU cores (the simulator's ``HostShare``).
+    Per step under ``shape``: one encode; every gather agrees; the fresh gather and every replay
+    that sends (``replays_send``) pay the collective, the decode and the cache passes."""
     if not codec_slowdown >= 1.0:
         raise ValueError(f"predict_compressed: codec_slowdown={codec_slowdown} must be >= 1")
     share = codec_slowdown
     wire = estimate.wire_ratio * raw_bytes_per_rank
+    sending = shape.gathers if shape.replays_send else 1
     enc = share * raw_bytes_per_rank / estimate.speed.encode_bytes_per_s
-    comm = link.allgather_time(bytes_per_rank=wire, world=world) + agreement_s
-    dec = share * max(world - 1, 0) * raw_bytes_per_rank / estimate.speed.decode_bytes_per_s
+    comm = sending * link.allgather_time(bytes_per_rank=wire, world=world) + shape.gathers * agreement_s
+    one_decode = share * max(world - 1, 0) * raw_bytes_per_rank / estimate.speed.decode_bytes_per_s
+    dec = sending * one_decode + shape.gathers * shape.cache_passes * one_decode * world / max(world - 1, 1)
     total = comm + dec + (0.0 if overlapped_encode else enc)
     return Prediction(estimate.name, wire, enc, comm, dec, total)
 
 
 def decide(*, raw_bytes_per_rank: int, world: int, link: Link, candidates: Sequence[CodecEstimate],
            current: str | None = None, hysteresis: float = 0.1, overlapped_encode: bool = False,
-           agreement_s: float = 0.0) -> Decision:
+           agreement_s: float = 0.0, shape: StepShape = ONE_GATHER) -> Decision:
     """Choose ``raw`` or one of ``candidates`` for a bucket; deterministic in its inputs.
 
     The fastest predicted mode wins (ties go to raw, then to the earlier candidate). When ``current``
     is one of the modes, the bucket leaves it only for a mode predicted faster by more than
     ``hysteresis`` x current's time, so noisy estimates near the break-even point cannot make it
-    flap between modes.
+    flap between modes. Times are per step: ``shape`` says how many gathers a step makes.
     """
     if world < 1:
         raise ValueError(f"decide: world={world} must be >= 1")
@@ -212,9 +239,9 @@ def decide(*, raw_bytes_per_rank: int, world: int, link: Link, candidates: Seque
         raise ValueError(f"decide: raw_bytes_per_rank={raw_bytes_per_rank} must be >= 0")
     if hysteresis < 0:
         raise ValueError(f"decide: hysteresis={hysteresis} must be >= 0")
-    preds = [predict_raw(raw_bytes_per_rank=raw_bytes_per_rank, world=world, link=link)]
+    preds = [predict_raw(raw_bytes_per_rank=raw_bytes_per_rank, world=world, link=link, shape=shape)]
     preds += [predict_compressed(raw_bytes_per_rank=raw_bytes_per_rank, world=world, link=link, estimate=c,
-                                 overlapped_encode=overlapped_encode, agreement_s=agreement_s)
+                                 overlapped_encode=overlapped_encode, agreement_s=agreement_s, shape=shape)
               for c in candidates]
     names = [p.name for p in preds]
     if len(set(names)) != len(names):

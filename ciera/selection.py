@@ -35,6 +35,7 @@ selector returns decisions (:class:`Switch`); the gather applies them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -175,6 +176,9 @@ class Selector:
         """Seconds the last decision cost its slowest rank (the shard's copy and the probes)."""
         self._snapshot_s = 0.0
         self._last_stats = None
+        self.shape = cm.ONE_GATHER
+        """How the bucket is gathered per step (:class:`ciera.cost_model.StepShape`); decisions compare
+        per-step times. ZeRO-3 (:mod:`ciera.zero3`) sets it from the gathers it counts per step."""
 
     def before_gather(self, index: int, *, warmup_left: int, shard: torch.Tensor, current: str | None,
                       probe: Callable[[str, torch.Tensor], int], stats) -> Switch | None:
@@ -232,12 +236,13 @@ class Selector:
         cost = time.perf_counter() - t0 + self._snapshot_s  # the probes read their sizes: synchronous
         self._refresh_speeds(current=current, stats=stats)
         per_byte = [v for n in names for v in (self.speeds[n][0].value, self.speeds[n][1].value)]
-        agreed = measure.agree(values=needed + per_byte + [float(warmup_left), cost], group=self.group,
-                               device=self.device)
+        agreed = measure.agree(values=needed + per_byte + [float(self.shape.gathers), float(warmup_left), cost],
+                               group=self.group, device=self.device)
         if agreed[-2] > 0:
             return int(agreed[-2]), None
         self.cost_s = agreed[-1]
-        needed, per_byte = agreed[: len(names)], agreed[len(names):-2]
+        shape = dataclasses.replace(self.shape, gathers=int(agreed[-3]))  # the same on every rank
+        needed, per_byte = agreed[: len(names)], agreed[len(names):-3]
         raw_b = self.codecs[names[0]].raw_bytes
         candidates = []
         for i, n in enumerate(names):
@@ -254,7 +259,7 @@ class Selector:
             known = None  # codec='auto' under 'always' must pick a codec: no raw incumbent
         d = cm.decide(raw_bytes_per_rank=raw_b, world=self.world, link=self.link, candidates=candidates,
                       current=known, hysteresis=cfg.hysteresis,
-                      agreement_s=cm.agreement_time(link=self.link, world=self.world))
+                      agreement_s=cm.agreement_time(link=self.link, world=self.world), shape=shape)
         choice = d.choice
         if choice == cm.RAW and cfg.selection == "always":  # codec='auto': choose among codecs only
             choice = min(candidates, key=lambda c: d.times[c.name]).name

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from .codecs.formats import FORMATS, as_bits, float_format
 from .comm import all_gather_into
 from .config import CieraConfig
+from .cost_model import StepShape
 from .gather import CieraAllGather
 from .selection import Measurements
 from .stats import GatherStats
@@ -155,7 +156,11 @@ class Zero3Gather:
 
     def step(self) -> None:
         """The shard changed (call after every optimizer step, on every rank): the next gather
-        encodes."""
+        encodes. The step's gather count tells the cost model how often a fresh payload serves."""
+        if self._inner is not None and self._inner.selector is not None and self.gathers_this_step:
+            exps = self.config.cache == "exponents"
+            self._inner.selector.shape = StepShape(gathers=self.gathers_this_step, replays_send=exps,
+                                                   cache_passes=2 if exps else 0)
         self._fresh = True
         self.gathers_this_step = 0
 

@@ -234,3 +234,24 @@ def test_agreement_cost_tips_a_tiny_bucket_to_raw():
     small = dict(raw_bytes_per_rank=4096, world=8, link=SLOW_ETH, candidates=[er(0.5, enc=1e15, dec=1e15)])
     assert decide(**small).choice == "exponent_reuse"
     assert decide(**small, agreement_s=agreement_time(link=SLOW_ETH, world=8)).choice == "raw"
+
+
+def test_step_shape_counts_a_steps_gathers_and_what_replays_cost():
+    from ciera.cost_model import StepShape, predict_compressed, predict_raw
+
+    link = LinkModel(bandwidth_bytes_per_s=1e8, latency_s=1e-4)
+    est = CodecEstimate(name="delta", wire_ratio=0.2,
+                        speed=CodecSpeed(encode_bytes_per_s=1e9, decode_bytes_per_s=2e9))
+    kw = dict(raw_bytes_per_rank=4e6, world=4, link=link)
+    one = predict_compressed(**kw, estimate=est)
+    raw4 = predict_raw(**kw, shape=StepShape(gathers=4))
+    assert raw4.total_s == pytest.approx(4 * predict_raw(**kw).total_s)
+    # values cache: replays send nothing, so four gathers cost one fresh gather plus agreements
+    vals = predict_compressed(**kw, estimate=est, shape=StepShape(gathers=4, replays_send=False), agreement_s=1e-5)
+    assert vals.total_s == pytest.approx(one.total_s + 4 * 1e-5)
+    # exponent cache: every gather sends and decodes, the encode happens once, plus the cache passes
+    exps = predict_compressed(**kw, estimate=est, shape=StepShape(gathers=4, cache_passes=2))
+    dec1 = 3 * 4e6 / 2e9
+    assert exps.total_s == pytest.approx(one.encode_s + 4 * (one.comm_s + dec1) + 4 * 2 * 4 * 4e6 / 2e9)
+    with pytest.raises(ValueError, match="gathers=0"):
+        StepShape(gathers=0)
