@@ -18,6 +18,11 @@ from pathlib import Path
 
 from tools.sim.timeline import AUTO, IterationResult, modes_for, simulate_iteration
 from tools.sim.trace import Cluster, Trace, load_cluster, load_trace
+from tools.sim.zero3 import simulate_zero3_step
+
+ZERO3_MODES = (("raw", "exponents"), ("exponent_reuse", "exponents"), ("auto", "exponents"), ("delta", "values"),
+               ("auto", "values"))
+"""ZeRO-3 columns: (mode, receiver cache)."""
 
 OVL = "auto+ovl"
 
@@ -98,6 +103,23 @@ def plot(all_rows: list[list[Row]], path: str, *, cluster: str) -> None:
     plt.close(fig)
 
 
+def project_zero3(*, trace: Trace, cluster: Cluster, gpus: list[int], micro_batches: int = 1,
+                  algorithm: str | None = None) -> str:
+    """ZeRO-3 (:mod:`tools.sim.zero3`): every unit gathered in forward and backward; one Markdown
+    table of every (mode, cache) at every GPU count."""
+    link = cluster.link(algorithm=algorithm)
+    head = ["GPUs", "raw ms"] + [f"{m} ({c} cache) ms (x)" for m, c in ZERO3_MODES[1:]]
+    lines = [f"**{trace.name}, ZeRO-3 ({micro_batches} micro-batch{'es' if micro_batches > 1 else ''} per step), "
+             f"on {cluster.name}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for g in gpus:
+        res = [simulate_zero3_step(trace=trace, world=g, link=link, mode=m, cache=c, micro_batches=micro_batches)
+               for m, c in ZERO3_MODES]
+        raw = res[0].iteration_s
+        lines.append("| " + " | ".join([str(g), f"{raw * 1e3:.1f}"] + [
+            f"{r.iteration_s * 1e3:.1f} ({raw / r.iteration_s:.2f}x)" for r in res[1:]]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", nargs="+", required=True, help="trace JSON file(s)")
@@ -105,6 +127,10 @@ def main(argv=None) -> int:
     ap.add_argument("--gpus", nargs="+", type=int, default=[8, 16, 32, 64, 128])
     ap.add_argument("--algorithm", choices=["ring", "hierarchical"], default=None,
                     help="override the cluster's all-gather algorithm")
+    ap.add_argument("--zero3", action="store_true",
+                    help="ZeRO-3 timeline (every unit gathered in forward and backward; tools/sim/zero3.py): "
+                         "a table per trace, no PNG")
+    ap.add_argument("--micro-batches", type=int, default=1, help="with --zero3: micro-batches per step")
     ap.add_argument("--out-md", default=None)
     ap.add_argument("--out-png", default=None)
     args = ap.parse_args(argv)
@@ -114,6 +140,10 @@ def main(argv=None) -> int:
     all_rows, parts = [], []
     for path in args.trace:
         trace = load_trace(path)
+        if args.zero3:
+            parts.append(project_zero3(trace=trace, cluster=cluster, gpus=args.gpus, micro_batches=args.micro_batches,
+                                       algorithm=args.algorithm))
+            continue
         rows = project(trace=trace, cluster=cluster, gpus=args.gpus, algorithm=args.algorithm)
         all_rows.append(rows)
         parts.append(markdown(rows, title=f"{trace.name} on {cluster.name} ({algo} all-gather)"))
@@ -122,7 +152,7 @@ def main(argv=None) -> int:
     if args.out_md:
         Path(args.out_md).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out_md).write_text(text)
-    if args.out_png:
+    if args.out_png and all_rows:
         plot(all_rows, args.out_png, cluster=f"{cluster.name} ({algo} all-gather)")
     return 0
 
