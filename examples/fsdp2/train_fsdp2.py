@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import time
 
@@ -143,6 +144,9 @@ def main(argv=None) -> int:
             s = gathers.stats()
             print(f"CIERA: {s.raw_bytes / 2**20:.1f} MiB raw -> {s.wire_bytes / 2**20:.1f} MiB on the wire "
                   f"({s.ratio:.2f}x), cache {gathers.cache_bytes / 2**20:.2f} MiB per rank", flush=True)
+            units = {name or "root": {"fresh_gathers": g.fresh_gathers, **g.stats.as_dict()}
+                     for name, g in gathers.gathers.items()}
+            print(f"CIERA units: {json.dumps(units)}", flush=True)  # for tools/testbed/bench_zero3.py
         print(f"params sha256: {digest}", flush=True)
     if log:
         log.close()

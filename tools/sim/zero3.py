@@ -97,8 +97,10 @@ def plan_unit(*, bucket, world: int, link: Link, mode: str, cache: str, micro_ba
 
 
 def simulate_zero3_step(*, trace: Trace, world: int, link: Link, mode: str = RAW, cache: str = "exponents",
-                        micro_batches: int = 1, overlap_encode: bool = False) -> Zero3Result:
-    """Place every gather of one ZeRO-3 step on the timeline described in the module doc."""
+                        micro_batches: int = 1, overlap_encode: bool = False, overlap_comm: bool = True) -> Zero3Result:
+    """Place every gather of one ZeRO-3 step on the timeline described in the module doc.
+    ``overlap_comm=False``: one serial stream (each gather's encode, collective and decode, then the
+    unit's compute), the right model for FSDP2 on a CPU with gloo, whose unshards are synchronous."""
     units = list(trace.buckets)
     plans = [plan_unit(bucket=b, world=world, link=link, mode=mode, cache=cache, micro_batches=micro_batches,
                        overlap_encode=overlap_encode) for b in units]
@@ -129,9 +131,11 @@ def simulate_zero3_step(*, trace: Trace, world: int, link: Link, mode: str = RAW
             ready = c
         m = done[i] = max(m, ready) + g.comm_s
 
-    if order:
+    if not overlap_comm:
+        c = sum(g.encode_s + g.comm_s + g.decode_s for g in costs) + sum(compute for _, compute in order)
+    elif order:
         dispatch(0)
-    for i, (k, compute) in enumerate(order):
+    for i, (k, compute) in enumerate(order if overlap_comm else ()):
         if i + 1 < len(order):
             dispatch(i + 1)
         c = max(c, done[i]) + costs[i].decode_s + compute
