@@ -24,9 +24,11 @@ $(VENV)/.installed: $(VENV)/.base
 	$(BIN)/python -m pip install -q -e '.[cpu,triton,dev]'
 	touch $@ $(VENV)/.native
 
-# An edit of ciera/native/csrc rebuilds only the extension in place (seconds), not the venv.
-$(VENV)/.native: ciera/native/csrc/ciera_codecs.c | $(VENV)/.base
-	@[ $@ -nt $< ] || { $(BIN)/python setup.py -q build_ext --inplace && touch $@; }
+# An edit of ciera/native/csrc (any .c or .h) rebuilds only the extension in place (seconds), not
+# the venv. The stamp is tested again here: .base may have rebuilt it after make compared times.
+NATIVE_SRC := $(wildcard ciera/native/csrc/*.c ciera/native/csrc/*.h)
+$(VENV)/.native: $(NATIVE_SRC) | $(VENV)/.base
+	@[ -e $@ ] && [ -z "$$(find $(NATIVE_SRC) -newer $@)" ] || { $(BIN)/python setup.py -q build_ext --inplace && touch $@; }
 
 # Rebuild the native CPU codecs in place now, whatever the stamps say.
 native: | $(VENV)/.base

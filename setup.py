@@ -13,6 +13,8 @@ build used on development machines and CI. ``make demo`` installs ``.[cpu,plots]
 launch scripts and tools); ``make setup`` / ``make test`` add ``triton`` and ``dev`` (the tests).
 """
 
+from glob import glob
+
 from setuptools import Extension, find_namespace_packages, setup
 from setuptools.command.build_ext import build_ext
 
@@ -33,15 +35,16 @@ class BuildNative(build_ext):
             super().build_extension(ext)
         except Exception as e:  # no OpenMP: one thread per call, same bytes
             print(f"ciera.native: OpenMP build failed ({e}); building single-threaded")
-            ext.extra_compile_args = [a for a in ext.extra_compile_args if a != "-fopenmp"]
+            ext.extra_compile_args = [*(a for a in ext.extra_compile_args if a != "-fopenmp"), "-Wno-unknown-pragmas"]
             ext.extra_link_args = [a for a in ext.extra_link_args if a != "-fopenmp"]
             super().build_extension(ext)
 
 
 NATIVE = Extension(
     "ciera.native._ciera_codecs",
-    sources=["ciera/native/csrc/ciera_codecs.c"],
-    extra_compile_args=["-std=c11", "-O3", "-fopenmp", "-fno-strict-aliasing"],
+    sources=sorted(glob("ciera/native/csrc/*.c")),  # one file per job; ciera_codecs.h is the interface
+    depends=sorted(glob("ciera/native/csrc/*.h")),
+    extra_compile_args=["-std=c11", "-O3", "-fopenmp", "-fno-strict-aliasing", "-fvisibility=hidden"],
     extra_link_args=["-fopenmp"],
     optional=True,
 )

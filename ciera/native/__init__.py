@@ -9,75 +9,38 @@ against it.
 
 Why C11 + OpenMP behind ctypes, built by ``setup.py``:
 
-* Both codecs are byte-granular scalar loops (a variable-width bit packer, a 17-bin-per-exponent
-  histogram, exponent compares per block): what pure torch is worst at (the delta reference moves
-  ~0.02 GB/s) and a C compiler is best at, auto-vectorising the exponent_reuse passes.
-* No torch or Python headers: the library does not depend on the torch ABI, so one build serves
-  every torch version, and pip's isolated build environment needs only setuptools and gcc (a
-  ``torch.utils.cpp_extension`` build would pull a multi-GB torch into it). ``setup.py`` builds it
-  during ``pip install`` / ``make setup`` as an *optional* extension: without a C compiler the
-  install still succeeds and the codecs run their references.
+* Both codecs are byte-granular scalar loops (a variable-width bit packer, per-exponent
+  histograms, exponent compares per block): what pure torch is worst at and a C compiler best at.
+* No torch or Python headers: one build serves every torch version, and pip's isolated build
+  environment needs only setuptools and gcc (a ``torch.utils.cpp_extension`` build would pull
+  torch into it). The extension is optional: without a C compiler the install still succeeds and
+  the codecs run their references.
 * numba would add a large JIT dependency and first-call compile pauses on every rank;
   ``torch.compile``'s C++ backend cannot express the sequential bit packing without graph breaks.
-* OpenMP threads follow ``torch.get_num_threads()``. Threads claim grains of whole blocks as they
-  get to them (one CAS per claim; thread 0 from the front, writing in place, the others from the
-  back into scratch that is copied into place once every claim's size is known), so no thread
-  waits on a fixed share of a slower one (a VM's two vCPUs drift 20-30% apart), and the bytes
-  depend neither on the thread count nor on who claimed what (``CIERA_NATIVE_STALL=k`` delays
-  thread k, for the tests).
-* One portable build, no ``-march=native``: the hot loops also get x86-64-v4 (AVX-512) and
-  x86-64-v3 (AVX2 + BMI2) clones, the widest the CPU runs chosen at load time (GCC
-  ``target_clones``; v4 ran 15-30% faster than v3 on one thread on the Ice Lake dev VM), and
-  delta's two hot spots (one width per previous exponent, the exception test on the values masked
-  to their widths) have explicit AVX2 paths chosen per call (``CIERA_NATIVE_AVX2=0`` forces the
-  portable ones; both are tested against the reference). Which clone runs is the CPU's choice, so a
-  test machine exercises only its own clone of the compiler-vectorised loops.
-  Speeds, the peers and the verdict per target are in BENCHMARKS.md (``make bench-codec``).
-* delta's bit packing works a word at a time: values are merged into <= 64-bit chunks (pairs and
-  quads) in independent loops, and only one shift-or per chunk stays serial; decoding mirrors it.
-* delta on 16-bit values (bf16, fp16) has explicit AVX-512 paths (F, BW, VL, VBMI, VBMI2 + BMI2:
-  Ice Lake and later, Zen 4), chosen per call where the CPU has them (``CIERA_NATIVE_AVX512=0``
-  keeps the AVX2 ones): width lookups are 64 byte permutes at a time; a group of 64 values packs
-  with no serial chain (pairs and quads by variable shifts, each 64-bit output word the difference
-  of running sums taken at its last quad) and unpacks by prefix-summed bit offsets and one byte
-  permute per 16 values; a threaded decode sizes its blocks in registers. The three paths
-  (portable, AVX2, AVX-512) are tested against the reference on every CPU that has them.
-* delta's 16-bit encode on AVX-512 reads each value once per pass. The histogram pass counts,
-  in registers, the values whose previous exponent lies in a window of 8 neighbouring exponents
-  (chosen from a 1024-value sample; about 97% of real weights) and whose bit length is at most 7:
-  each becomes one set bit of a 64-bin one-hot code, summed vertically by carry-save adders
-  (ternary logic) into bit planes, about two operations per 32 values and group of 16 bins; only
-  the other values are incremented one by one (a scalar increment per value, about one per cycle,
-  was that pass's floor). The window changes the speed, never the counts: the counts themselves
-  are compared with the reference's, every one, on skewed and adversarial shards
-  (``ciera_delta_histogram``). The packing pass takes a whole run of blocks in one call: each
-  group's state, z, widths, exceptions and packed words come from one load of each value, and
-  where every 8 values fit in 64 bits (all but about one group in 600) the group packs from one
-  register of 8-value chunks. The decode likewise runs whole blocks in one call and, in a block
-  without exceptions, adds each group to the target straight from the registers it was unpacked
-  into. Prefetch hints follow the direction a chunk runs (a 2-thread decode runs one backwards).
-* exponent_reuse on bf16 with blocks of 8 (the default) has an AVX-512 path in both directions,
-  a 64-value tile per step in registers: two byte permutes split the tile into its low and high
-  bytes, a tile's 8 blocks are the 8 qwords of its exponent bytes (one test gives its bitmap byte,
-  one compress its changed blocks' exponents, staged by whole-register stores and copied to their
-  slots a few KB at a time -- a masked store per tile straight into the slots, each overlapping
-  the last, cost two thirds of the encode; decoding loads them under a mask and expands them). The
-  portable loop left gcc's vectoriser with a branch per block: 7 / 6 GB/s encode / decode at one
-  thread on the EPYC dev VM, 12 / 21 GB/s with the tile path, 32 / 22 GB/s with the staging
-  (library calls alone, BENCHMARKS.md).
 
+How (``csrc/``; ``ciera_codecs.h`` is the interface; the layouts, status codes and messages
+:mod:`ciera.native._lib` uses are read from the library, never copied):
+
+* Threads follow ``torch.get_num_threads()`` and claim grains of whole blocks as they get to them
+  (``claims.c``), so no thread waits on a fixed share of a slower one, and the bytes depend
+  neither on the thread count nor on who claimed what (``CIERA_NATIVE_STALL=k`` delays thread k,
+  for the tests).
+* One portable build, no ``-march=native``: the hot loops get x86-64-v4 and x86-64-v3 clones
+  picked at load time (GCC ``target_clones``), and explicit AVX2 and AVX-512 paths (delta on
+  16-bit values, exponent_reuse on bf16 in blocks of 8) are chosen per call where the CPU has
+  them (``CIERA_NATIVE_AVX2=0`` / ``CIERA_NATIVE_AVX512=0`` narrow the choice). Every explicit
+  path is tested against the reference on each CPU that has it; which clone of the
+  compiler-vectorised loops runs is the CPU's choice.
 * ``Codec.encode`` / ``Codec.decode`` on CPU tensors are one C call each (``ciera_encode`` /
-  ``ciera_decode``, :class:`ciera.native._lib.Direct`): the header is written and checked in C, so no
-  tensor operation runs around the codec. Those cost tens of microseconds each once the codec's
-  streams have left the caches, serial time no thread count shortens (it held exponent_reuse's
-  2-thread speed-up near 1.65x). Arguments it does not take, and refused headers, go through the
-  checked path (``_impl``), which names the problem; the tests compare both paths.
+  ``ciera_decode``, :class:`ciera.native._lib.Direct`): the header is written and checked in C, so
+  no tensor operation (serial time no thread count shortens) runs around the codec. Other
+  arguments, and refused headers, go through the checked path, which names the problem.
 * A threaded delta decode needs each chunk's start, and the wire format stores no block offsets:
-  the first chunk starts at the data, the last one runs last block first from the header's needed
-  bytes (where the data ends), so at 2 threads there is no sizing pass; middle chunks are sized
-  by a pass split over all threads. A last chunk that does not meet the one before it is a corrupt
-  payload (an error, never a silent decode).
+  the first chunk starts at the data, the last runs backwards from the header's needed bytes, and
+  middle chunks are sized by a pass split over all threads. A last chunk that does not meet the
+  one before it is a corrupt payload (an error, never a silent decode).
 
+Speeds per path and target: BENCHMARKS.md (``make bench-codec``, ``tools/bench_native.py``).
 ``CIERA_NATIVE=0`` in the environment disables the library (the references run).
 """
 

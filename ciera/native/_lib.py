@@ -13,40 +13,14 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ABI = 3
-"""Must equal ``CIERA_ABI`` in csrc/ciera_codecs.c: a stale build is refused, not trusted."""
+ABI = 4
+"""Must equal ``CIERA_ABI`` in csrc/ciera_codecs.h: a stale build is refused, not trusted. Layouts,
+status codes and messages are not copied here: they are read from the library."""
 
 _HERE = Path(__file__).resolve().parent
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
-
-ERRORS = {
-    -1: "corrupt payload: more changed blocks than the payload has room for",
-    -2: "corrupt payload: a section runs past the payload's end",
-    -3: "corrupt payload: an exception count above the block's values",
-    -4: "corrupt payload: a width above the value's bits in the width table",
-    -5: "corrupt payload: an exception index past the block's values",
-    -6: "unsupported layout or arguments",
-    -7: "out of memory",
-    -8: "payload header is not a valid, non-overflowed payload of this codec and layout",
-    -9: "corrupt payload: the blocks' sizes do not add up to the header's needed bytes",
-}
-
-
-class ErLayout(ctypes.Structure):
-    """Mirror of ``ciera_er_layout``."""
-
-    _fields_ = [(f, _I64) for f in (
-        "numel", "block_size", "total_bits", "exp_bits", "mant_bits", "sm_bytes", "n_planes", "plane_bytes",
-        "off_signmant", "off_planes", "off_bitmap", "off_exps")]
-
-
-class DeltaLayout(ctypes.Structure):
-    """Mirror of ``ciera_delta_layout``."""
-
-    _fields_ = [(f, _I64) for f in (
-        "numel", "block_size", "total_bits", "exp_bits", "mant_bits", "group_size", "count_bytes", "index_bytes",
-        "high_bytes", "off_table", "off_counts", "off_data")]
+_STR = ctypes.c_char_p
 
 
 def _candidates() -> list[Path]:
@@ -80,6 +54,11 @@ _ENCODE = (_I64, [_PTR, _PTR, _PTR, _PTR, _I64, ctypes.c_int])
 _DECODE = (ctypes.c_int, [_PTR, _PTR, _I64, _PTR, ctypes.c_int])
 SIGNATURES = {
     "ciera_openmp": (ctypes.c_int, []),
+    "ciera_strerror": (_STR, [ctypes.c_int]),
+    "ciera_status_name": (_STR, [ctypes.c_int]),
+    "ciera_codec_name": (_STR, [ctypes.c_int]),
+    "ciera_layout_fields": (_STR, [ctypes.c_int]),
+    "ciera_layout_bytes": (_I64, [ctypes.c_int]),
     "ciera_er_encode": _ENCODE,
     "ciera_delta_encode": _ENCODE,
     "ciera_er_decode": _DECODE,
@@ -135,10 +114,60 @@ def check(name: str, what: str, t: torch.Tensor, dtype: torch.dtype, numel: int 
                          + f"; got {t.device} {t.dtype} of {t.numel()} values (contiguous={t.is_contiguous()})")
 
 
+def message(rc: int) -> str:
+    """The library's message for status ``rc`` (``ciera_strerror``)."""
+    lib = library()
+    text = lib.ciera_strerror(int(rc)) if lib is not None else None
+    return text.decode() if text else f"native error {rc}"
+
+
+@functools.cache
+def statuses() -> dict[str, int]:
+    """The library's status codes by enumerator name (``{"CIERA_OK": 0, "CIERA_E_TRUNCATED": -2, ...}``),
+    read from it: codes 0, -1, -2, ... up to the first without a name."""
+    lib, codes, rc = library(), {}, 0
+    while (name := lib.ciera_status_name(rc)) is not None:
+        codes[name.decode()] = rc
+        rc -= 1
+    return codes
+
+
 def raise_for(name: str, rc: int) -> None:
-    """Turn a negative return code of the library into a ValueError."""
+    """Turn a negative return code of the library into a ValueError with its message."""
     if rc < 0:
-        raise ValueError(f"{name}: {ERRORS.get(int(rc), f'native error {rc}')}")
+        raise ValueError(f"{name}: {message(rc)}")
+
+
+@functools.cache
+def layout_type(codec_id: int, name: str) -> type[ctypes.Structure]:
+    """The ctypes twin of codec ``codec_id``'s C layout struct, built from the fields the library
+    names (``ciera_layout_fields``: int64 each, in order) and checked against its size and its name
+    for the id."""
+    lib = library()
+    known = lib.ciera_codec_name(codec_id)
+    if known is None or known.decode() != name:
+        raise RuntimeError(f"{name}: the native library knows codec id {codec_id} as "
+                           f"{known.decode() if known else 'nothing'}; rebuild it with `make native`")
+    fields = lib.ciera_layout_fields(codec_id).decode().split()
+    cls = type(f"{name}_c_layout", (ctypes.Structure,), {"_fields_": [(f, _I64) for f in fields]})
+    if ctypes.sizeof(cls) != lib.ciera_layout_bytes(codec_id):
+        raise RuntimeError(f"{name}: the library's layout is {lib.ciera_layout_bytes(codec_id)} bytes, "
+                           f"its {len(fields)} fields {ctypes.sizeof(cls)}")
+    return cls
+
+
+def c_layout(*, codec_id: int, name: str, layout) -> ctypes.Structure:
+    """``layout`` (a codec's layout dataclass) as the library's struct: each field the library names
+    is the layout's attribute of that name, or its ``fmt``'s (the float format's bits)."""
+    cls = layout_type(codec_id, name)
+    values = {}
+    for field, _ in cls._fields_:
+        owner = layout if hasattr(layout, field) else layout.fmt
+        if not hasattr(owner, field):
+            raise RuntimeError(f"{name}: the native layout's field {field!r} is neither an attribute of "
+                               f"{type(layout).__name__} nor of its fmt")
+        values[field] = int(getattr(owner, field))
+    return cls(**values)
 
 
 def decode_many(*, name: str, codec_id: int, clayout, bits_dtype: torch.dtype, numel: int, payloads: torch.Tensor,
@@ -158,7 +187,7 @@ def decode_many(*, name: str, codec_id: int, clayout, bits_dtype: torch.dtype, n
     if rc < 0:
         i = int(bad.value)
         where = (f"entry {i} (row {int(rows[i])}, offset {int(offsets[i])})" if 0 <= i < rows.numel() else "")
-        raise ValueError(f"{name}: decode_many {where}: {ERRORS.get(int(rc), f'native error {rc}')}")
+        raise ValueError(f"{name}: decode_many {where}: {message(rc)}")
 
 
 class Direct:
@@ -180,6 +209,7 @@ class Direct:
         self._addr = ctypes.addressof(clayout)
         self._id, self._n, self._dtype, self._sdtype, self._fixed, self._name = (
             codec_id, numel, dtype, state_dtype, fixed_bytes, name)
+        self._refused = statuses()["CIERA_E_HEADER"]
 
     def encode(self, *, shard: torch.Tensor, state: torch.Tensor, out: torch.Tensor) -> bool:
         cap = out.numel()
@@ -196,7 +226,7 @@ class Direct:
             return False
         rc = self._lib.ciera_decode(self._id, self._addr, payload.data_ptr(), payload.numel(), target.data_ptr(),
                                     threads())
-        if rc == -8:  # the header is refused: the checked path says why
+        if rc == self._refused:  # the checked path says why
             return False
         raise_for(self._name, rc)
         return True

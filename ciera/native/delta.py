@@ -14,11 +14,9 @@ NAME = DeltaCodec.name
 
 
 @functools.lru_cache(maxsize=256)
-def _c_layout(layout: DeltaLayout) -> _lib.DeltaLayout:
-    f = layout.fmt
-    return _lib.DeltaLayout(layout.numel, layout.block_size, f.total_bits, f.exp_bits, f.mant_bits,
-                            layout.group_size, layout.count_bytes, layout.index_bytes, layout.high_bytes,
-                            layout.off_table, layout.off_counts, layout.off_data)
+def _c_layout(layout: DeltaLayout):
+    """``layout`` as the library's ``ciera_delta_layout`` (its fields read from the library)."""
+    return _lib.c_layout(codec_id=DeltaCodec.codec_id, name=NAME, layout=layout)
 
 
 def encode_native(*, layout: DeltaLayout, shard_bits: torch.Tensor, state: torch.Tensor, out: torch.Tensor) -> int:

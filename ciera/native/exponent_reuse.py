@@ -14,11 +14,9 @@ NAME = ExponentReuseCodec.name
 
 
 @functools.lru_cache(maxsize=256)
-def _c_layout(layout: ExponentReuseLayout) -> _lib.ErLayout:
-    f = layout.fmt
-    return _lib.ErLayout(layout.numel, layout.block_size, f.total_bits, f.exp_bits, f.mant_bits, layout.sm_bytes,
-                         layout.n_planes, layout.plane_bytes, layout.off_signmant, layout.off_planes,
-                         layout.off_bitmap, layout.off_exps)
+def _c_layout(layout: ExponentReuseLayout):
+    """``layout`` as the library's ``ciera_er_layout`` (its fields read from the library)."""
+    return _lib.c_layout(codec_id=ExponentReuseCodec.codec_id, name=NAME, layout=layout)
 
 
 def encode_native(*, layout: ExponentReuseLayout, shard_bits: torch.Tensor, state: torch.Tensor,

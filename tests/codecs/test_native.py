@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
@@ -561,6 +562,38 @@ def test_errors_name_the_codec_and_reason():
     with pytest.raises(ValueError, match="contiguous CPU"):
         native.codec_module("delta").decode_native(layout=make_codec("delta", dtype=torch.bfloat16, numel=64).layout,
                                                    payload=out, target_bits=as_bits(x.clone())[::2])
+
+
+@pytest.mark.parametrize("name", NATIVE_CODECS)
+def test_layouts_are_read_from_the_library(name):
+    """The C layout struct the Python side passes is built from the library's own field list and
+    size, each field the Python layout's value of that name (or its float format's)."""
+    lib = native.library()
+    for dtype, block in [(torch.bfloat16, 8), (torch.float16, 64), (torch.float32, 256)]:
+        codec = make_codec(name, dtype=dtype, numel=1000, block_size=block)
+        c = native.c_layout(codec)
+        fields = [f for f, _ in c._fields_]
+        assert fields == lib.ciera_layout_fields(codec.codec_id).decode().split()
+        assert ctypes.sizeof(c) == lib.ciera_layout_bytes(codec.codec_id) == 8 * len(fields)
+        for f in fields:
+            owner = codec.layout if hasattr(codec.layout, f) else codec.layout.fmt
+            assert getattr(c, f) == getattr(owner, f), f"{name} {dtype}: field {f}"
+    other = "delta" if name == "exponent_reuse" else "exponent_reuse"
+    with pytest.raises(RuntimeError, match=f"knows codec id .* as {name}"):
+        _lib.layout_type(make_codec(name, dtype=torch.bfloat16, numel=8).codec_id, other)
+
+
+def test_statuses_and_messages_are_read_from_the_library():
+    codes = _lib.statuses()
+    assert codes["CIERA_OK"] == 0 and sorted(codes.values()) == list(range(-len(codes) + 1, 1))
+    messages = {_lib.message(rc) for rc in codes.values() if rc < 0}
+    assert len(messages) == len(codes) - 1 and not any(m.startswith("native error") for m in messages)
+    assert _lib.message(min(codes.values()) - 1) == f"native error {min(codes.values()) - 1}"
+    with pytest.raises(ValueError, match=f"^delta: {_lib.message(codes['CIERA_E_TRUNCATED'])}$"):
+        _lib.raise_for("delta", codes["CIERA_E_TRUNCATED"])
+    bad = ctypes.c_int64(0)  # an unknown codec id is refused before any entry is read
+    rc = native.library().ciera_decode_many(99, None, None, 0, None, None, 1, None, 1, 0, 1, ctypes.byref(bad))
+    assert rc == codes["CIERA_E_ARGS"] and bad.value == -1
 
 
 def test_dispatch_auto_native_torch(monkeypatch):

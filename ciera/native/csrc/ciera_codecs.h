@@ -1,0 +1,129 @@
+/* Native CPU twins of the CIERA codecs (exponent_reuse and delta): the library's interface.
+ *
+ * Plain C11 (+ OpenMP when the compiler has it), no Python or torch headers: loaded with ctypes
+ * on tensors' data pointers by ciera/native/_lib.py, which reads this interface back from the
+ * library (ciera_layout_fields, ciera_strerror, ciera_status_name, ciera_codec_name) rather than
+ * keeping a copy. The payload formats are defined by the pure-torch references in
+ * ciera/codecs/{exponent_reuse,delta}.py; every function here writes the same bytes (everything
+ * the reference writes up to `needed`, and nothing else) and decodes to the same bits. Section
+ * offsets come from the Python layout dataclasses (one source of truth), filled in by field name.
+ *
+ * Threads: every entry point takes `threads`; the work is claimed in grains of whole blocks as
+ * threads get to it (claims.c: no thread waits on a fixed share of a slower one), and claims never
+ * share an output byte, so results depend neither on the thread count nor on who claimed what.
+ *
+ * Decoders never read or write outside the buffers they are given: a payload whose sections run
+ * past its length, or whose counts, widths or indices are impossible, returns a negative status
+ * (the target may then be partly written, as with the reference's errors).
+ *
+ * Files: internal.h (shared helpers), claims.c (work sharing), cpu.c (CPU features),
+ * exponent_reuse.c, delta.c (entry points, per-call choice of path) over delta_scalar.h (portable
+ * kernels), delta_avx2.h and delta_avx512.c, dispatch.c (by codec id, with the payload header),
+ * abi.c (what _lib.py reads back).
+ */
+#ifndef CIERA_CODECS_H
+#define CIERA_CODECS_H
+
+#include <stdint.h>
+
+/* Bumped with every change of an entry point's signature or a layout: _lib.py refuses a build
+ * whose ciera_abi() differs from its own. */
+#define CIERA_ABI 4
+
+#define CIERA_API __attribute__((visibility("default")))
+
+/* Status of every entry point: CIERA_OK (or, for encoders, the bytes needed, >= 0), else one of
+ * these. X(name, value, message): ciera_strerror / ciera_status_name give them to the caller. */
+#define CIERA_STATUSES(X)                                                                                   \
+    X(CIERA_OK, 0, "ok")                                                                                    \
+    X(CIERA_E_TOO_MANY_BLOCKS, -1, "corrupt payload: more changed blocks than the payload has room for")    \
+    X(CIERA_E_TRUNCATED, -2, "corrupt payload: a section runs past the payload's end")                      \
+    X(CIERA_E_BAD_COUNT, -3, "corrupt payload: an exception count above the block's values")                \
+    X(CIERA_E_BAD_TABLE, -4, "corrupt payload: a width above the value's bits in the width table")          \
+    X(CIERA_E_BAD_INDEX, -5, "corrupt payload: an exception index past the block's values")                 \
+    X(CIERA_E_ARGS, -6, "unsupported layout or arguments")                                                  \
+    X(CIERA_E_NOMEM, -7, "out of memory")                                                                   \
+    X(CIERA_E_HEADER, -8, "payload header is not a valid, non-overflowed payload of this codec and layout") \
+    X(CIERA_E_SIZES, -9, "corrupt payload: the blocks' sizes do not add up to the header's needed bytes")
+
+typedef enum {
+#define CIERA_STATUS_ENUM(name, value, message) name = value,
+    CIERA_STATUSES(CIERA_STATUS_ENUM)
+#undef CIERA_STATUS_ENUM
+} ciera_status;
+
+/* Codec ids, as in the payload header and the Python codecs' `codec_id`. */
+enum { CIERA_CODEC_EXPONENT_REUSE = 1, CIERA_CODEC_DELTA = 2 };
+
+/* Layouts: one payload shape each, every field an int64_t, filled by _lib.py by name from the
+ * Python layout dataclass (or its FloatFormat). X(field) lists them in struct order. */
+#define CIERA_ER_LAYOUT(X)                                                   \
+    X(numel) X(block_size) X(total_bits) X(exp_bits) X(mant_bits)           \
+    X(sm_bytes) X(n_planes) X(plane_bytes)                                   \
+    X(off_signmant) X(off_planes) X(off_bitmap) X(off_exps)
+
+#define CIERA_DELTA_LAYOUT(X)                                                \
+    X(numel) X(block_size) X(total_bits) X(exp_bits) X(mant_bits)           \
+    X(group_size) X(count_bytes) X(index_bytes) X(high_bytes)                \
+    X(off_table) X(off_counts) X(off_data)
+
+#define CIERA_LAYOUT_FIELD(f) int64_t f;
+typedef struct {
+    CIERA_ER_LAYOUT(CIERA_LAYOUT_FIELD)
+} ciera_er_layout;
+
+typedef struct {
+    CIERA_DELTA_LAYOUT(CIERA_LAYOUT_FIELD)
+} ciera_delta_layout;
+#undef CIERA_LAYOUT_FIELD
+
+/* --- what _lib.py reads back (abi.c) ---------------------------------------------------------- */
+CIERA_API int ciera_abi(void);
+/* 1 when built with OpenMP (else every call runs one thread). */
+CIERA_API int ciera_openmp(void);
+/* The message of a status; NULL for a code that is none. */
+CIERA_API const char *ciera_strerror(int status);
+/* The enumerator's name of a status ("CIERA_E_HEADER"); NULL for a code that is none. */
+CIERA_API const char *ciera_status_name(int status);
+/* The codec's name ("exponent_reuse", "delta"); NULL for an unknown id. */
+CIERA_API const char *ciera_codec_name(int codec);
+/* The field names of the codec's layout struct in order, space separated; NULL for an unknown id. */
+CIERA_API const char *ciera_layout_fields(int codec);
+/* sizeof the codec's layout struct; 0 for an unknown id. */
+CIERA_API int64_t ciera_layout_bytes(int codec);
+
+/* --- the codecs (exponent_reuse.c, delta.c) --------------------------------------------------- */
+/* Encoders write the payload's sections (not the header; nothing past `capacity`), update
+ * `state` and return the bytes needed (> capacity: the payload overflowed) or a status. */
+CIERA_API int64_t ciera_er_encode(const ciera_er_layout *l, const void *shard, uint8_t *state, uint8_t *out,
+                                  int64_t capacity, int threads);
+CIERA_API int64_t ciera_delta_encode(const ciera_delta_layout *l, const void *shard, void *state, uint8_t *out,
+                                     int64_t capacity, int threads);
+/* Decoders turn `target` (the previous values) into the encoded shard; CIERA_OK or a status. */
+CIERA_API int ciera_er_decode(const ciera_er_layout *l, const uint8_t *payload, int64_t length, void *target,
+                              int threads);
+CIERA_API int ciera_delta_decode(const ciera_delta_layout *l, const uint8_t *payload, int64_t length, void *target,
+                                 int threads);
+/* The counts delta's width table is chosen from, over values [lo, hi): hist[e * (W + 1) + L]
+ * (2^E * (W + 1) entries, overwritten) = values whose previous exponent is e and whose z has bit
+ * length L, counted by the path an encode on this CPU takes. For the tests. */
+CIERA_API int ciera_delta_histogram(const ciera_delta_layout *l, const void *shard, const void *state, int64_t lo,
+                                    int64_t hi, int64_t *hist);
+
+/* --- by codec id, with the payload header (dispatch.c) ---------------------------------------- */
+/* Encodes and writes the header [magic|codec, flags, needed, capacity]; returns needed (the
+ * overflow flag set when it exceeds the capacity) or a status. */
+CIERA_API int64_t ciera_encode(int codec, const void *layout, const void *shard, void *state, uint8_t *out,
+                               int64_t capacity, int threads);
+/* Checks the header as Codec.decode does (codec, not overflowed, needed within length), then
+ * decodes; CIERA_E_HEADER when the header is refused (the caller names the reason). */
+CIERA_API int ciera_decode(int codec, const void *layout, const uint8_t *payload, int64_t length, void *target,
+                           int threads);
+/* Decodes the payload at offsets[i] (its length: the needed bytes of its header, checked first)
+ * into row rows[i] of `targets` (`world` rows of `row_bytes`) for i < k; CIERA_OK, or a status
+ * with the failing entry's index in *bad. */
+CIERA_API int ciera_decode_many(int codec, const void *layout, const uint8_t *payloads, int64_t payloads_len,
+                                const int64_t *rows, const int64_t *offsets, int64_t k, void *targets, int64_t world,
+                                int64_t row_bytes, int threads, int64_t *bad);
+
+#endif

@@ -1,0 +1,61 @@
+/* The entry points by codec id, with the payload header: Codec.encode / Codec.decode on CPU in
+ * one call each, and decode_many. The header is written and checked here, so the Python side does
+ * no tensor operation around the codec (each costs tens of microseconds once the codec's streams
+ * have left the caches: serial time that no thread count shortens). */
+#include "internal.h"
+
+/* Header: int64 [magic << 8 | codec, flags, needed, capacity], then the codec's sections. */
+#define CIERA_MAGIC 0xC1E7AL
+#define CIERA_FLAG_OVERFLOW 1
+
+static int known_codec(int codec) { return codec == CIERA_CODEC_EXPONENT_REUSE || codec == CIERA_CODEC_DELTA; }
+
+/* Headers are checked before a payload is decoded. */
+int ciera_decode_many(int codec, const void *layout, const uint8_t *payloads, int64_t payloads_len,
+                      const int64_t *rows, const int64_t *offsets, int64_t k, void *targets, int64_t world,
+                      int64_t row_bytes, int threads, int64_t *bad) {
+    *bad = -1;
+    if (!known_codec(codec)) return CIERA_E_ARGS;
+    int64_t fixed = codec == CIERA_CODEC_EXPONENT_REUSE ? ((const ciera_er_layout *)layout)->off_exps
+                               : ((const ciera_delta_layout *)layout)->off_data;
+    for (int64_t i = 0; i < k; i++) {
+        *bad = i;
+        int64_t off = offsets[i], row = rows[i];
+        if (row < 0 || row >= world || off < 0 || off % 16 || off + 32 > payloads_len) return CIERA_E_ARGS;
+        int64_t h[4];
+        memcpy(h, payloads + off, sizeof h);
+        /* h = [magic|codec, flags, needed, capacity]: a payload is its first `needed` bytes (the
+         * gather sends exactly those; the capacity is the sender's encode buffer). */
+        if (h[0] != ((CIERA_MAGIC << 8) | codec) || (h[1] & CIERA_FLAG_OVERFLOW) || h[2] < fixed ||
+            h[2] > h[3] || h[2] > payloads_len - off)
+            return CIERA_E_HEADER;
+        uint8_t *t = (uint8_t *)targets + row * row_bytes;
+        int r = codec == CIERA_CODEC_EXPONENT_REUSE ? ciera_er_decode((const ciera_er_layout *)layout, payloads + off, h[2], t, threads)
+                           : ciera_delta_decode((const ciera_delta_layout *)layout, payloads + off, h[2], t, threads);
+        if (r != CIERA_OK) return r;
+    }
+    return CIERA_OK;
+}
+
+int64_t ciera_encode(int codec, const void *layout, const void *shard, void *state, uint8_t *out, int64_t capacity,
+                     int threads) {
+    if (capacity < 32 || !known_codec(codec)) return CIERA_E_ARGS;
+    int64_t needed = codec == CIERA_CODEC_EXPONENT_REUSE ? ciera_er_encode((const ciera_er_layout *)layout, shard, (uint8_t *)state, out,
+                                                  capacity, threads)
+                                : ciera_delta_encode((const ciera_delta_layout *)layout, shard, state, out, capacity,
+                                                     threads);
+    if (needed < 0) return needed;
+    int64_t h[4] = {(int64_t)((CIERA_MAGIC << 8) | codec), needed > capacity ? CIERA_FLAG_OVERFLOW : 0, needed,
+                    capacity};
+    memcpy(out, h, sizeof h);
+    return needed;
+}
+
+int ciera_decode(int codec, const void *layout, const uint8_t *payload, int64_t length, void *target, int threads) {
+    if (length < 32 || !known_codec(codec)) return CIERA_E_HEADER;
+    int64_t h[4];
+    memcpy(h, payload, sizeof h);
+    if (h[0] != ((CIERA_MAGIC << 8) | codec) || (h[1] & CIERA_FLAG_OVERFLOW) || h[2] > length) return CIERA_E_HEADER;
+    return codec == CIERA_CODEC_EXPONENT_REUSE ? ciera_er_decode((const ciera_er_layout *)layout, payload, length, target, threads)
+                      : ciera_delta_decode((const ciera_delta_layout *)layout, payload, length, target, threads);
+}
