@@ -41,17 +41,33 @@ class RunResult:
         return "\n".join(block[: end + 1])
 
 
+# Seconds torchrun waits, after one rank failed, between SIGTERM and SIGKILL for the others
+# (torchrun's default is 30): a rank stopped or stuck in the kernel ignores SIGTERM.
+SHUTDOWN_TIMEOUT_S = 5
+
+
+def torchrun_command(script: str | os.PathLike, args: list[str], *, nproc: int = 2) -> list[str]:
+    """The torchrun command line for ``script args`` on ``nproc`` local ranks (a free port)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), *args]
+
+
+def torchrun_env(*, threads_per_rank: int = 1, **extra: str) -> dict:
+    """The environment of a local launch: this repository importable, ``threads_per_rank`` OpenMP
+    threads, torchrun's shutdown grace shortened to :data:`SHUTDOWN_TIMEOUT_S`, plus ``extra``."""
+    return dict(os.environ, OMP_NUM_THREADS=str(threads_per_rank), PYTHONWARNINGS="ignore",
+                TORCH_ELASTIC_SHUTDOWN_TIMEOUT=os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S)),
+                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep), **extra)
+
+
 def run_pretrain(flags: list[str], nproc: int = 2, timeout: float = 300, threads_per_rank: int = 1,
                  workdir: str | None = None, loss_log: str | None = None) -> RunResult:
     """Launch ``pretrain_gpt.py flags`` with torchrun on ``nproc`` local ranks and wait.
     ``loss_log``: the ``--ciera-loss-log`` file to use (default: a temporary one)."""
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         loss_log = loss_log or os.path.join(tmp, "losses.txt")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-               str(ROOT / "pretrain_gpt.py"), *flags, "--ciera-loss-log", loss_log]
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads_per_rank), PYTHONWARNINGS="ignore",
-                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+        cmd = torchrun_command(ROOT / "pretrain_gpt.py", [*flags, "--ciera-loss-log", loss_log], nproc=nproc)
+        env = torchrun_env(threads_per_rank=threads_per_rank)
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         losses = {}
         if os.path.exists(loss_log):

@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 from . import bucket_group
 from . import fsdp2 as fsdp2_binding
-from . import checkpointing, data, evaluation, logging_utils, parallel, timers, upstream_notices
+from . import megatron_fsdp
+from . import checkpointing, data, evaluation, failfast, logging_utils, parallel, timers, upstream_notices
 from . import model as model_lib
 from .arguments import ciera_config_from_args, parse_args
 
@@ -77,13 +78,15 @@ def build_model_and_optimizer(args, vocab_size: int):
         chunks = [Float16Module(config, chunk) for chunk in chunks]
     if args.use_torch_fsdp2:
         model = fsdp2_binding.wrap(chunks, config=config, args=args)
+    elif args.use_megatron_fsdp:
+        model = megatron_fsdp.wrap(chunks, config=config, args=args)
     else:
         # Only the first chunk buckets its gradients (as Megatron-LM: with several virtual stages
         # the others communicate as one bucket each).
         ddp_config = model_lib.ddp_config(args)
         model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
                  for i, chunk in enumerate(chunks)]
-    for chunk in model:
+    for chunk in model if not args.use_megatron_fsdp else ():  # (its shards: equal seeds made them equal)
         chunk.broadcast_params()
 
     opt_config = model_lib.optimizer_config(args)
@@ -156,7 +159,8 @@ def params_sha256(model) -> str:
             for name, p in _unwrapped(chunk).named_parameters():
                 if (getattr(p, "allreduce", True)) == (kind == "dense"):
                     h.update(f"{i}.{name}".encode())
-                    full = p.full_tensor() if hasattr(p, "full_tensor") else p  # FSDP2: a collective
+                    full = megatron_fsdp.full_tensor(p)  # Megatron-FSDP's DTensors: a collective
+                    full = full.full_tensor() if hasattr(full, "full_tensor") else full  # FSDP2: a collective
                     h.update(full.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
         digests[kind] = h.hexdigest()
     dense_key, expert_key = _replica_keys()
@@ -236,6 +240,7 @@ class _Run:
         self.logged_stats = []  # CIERA counters at the last log line
         self.flops_per_iteration = logging_utils.flops_per_iteration(args)
         self.async_saves = checkpointing.async_queue(args)  # --async-save (None without)
+        self.faults = failfast.FaultPlan.from_env()  # CIERA_FAULT_INJECT (tests); None normally
 
 
 def _train_step(run: _Run, batches):
@@ -360,9 +365,11 @@ def _evaluate(run: _Run, *, split: str, index: int, prefix: str) -> None:
 
 def _save(run: _Run) -> None:
     _sync_params(run.model, run.args)
-    checkpointing.save(run.args, iteration=run.iteration, model=run.model, optimizer=run.optimizer,
-                       scheduler=run.scheduler, flops_so_far=run.iteration * run.flops_per_iteration,
-                       queue=run.async_saves)
+    doomed = run.faults is not None and run.faults.fires("kill-writer", rank=dist.get_rank(), iteration=run.iteration)
+    with failfast.kill_forked_children(doomed):
+        checkpointing.save(run.args, iteration=run.iteration, model=run.model, optimizer=run.optimizer,
+                           scheduler=run.scheduler, flops_so_far=run.iteration * run.flops_per_iteration,
+                           queue=run.async_saves)
     _print0(f"{'started saving' if run.async_saves else 'saved'} checkpoint {run.args.save} at iteration {run.iteration}")
 
 
@@ -378,6 +385,7 @@ def _train_loop(run: _Run) -> bool:
         chunk.train()
     while run.iteration < args.train_iters:
         grad_norm, num_zeros = _train_step(run, batches)
+        failfast.inject_after_step(run.faults, rank=dist.get_rank(), iteration=run.iteration)
         checkpointing.finalize_async_saves(run.async_saves, blocking=False)
         it = run.iteration
         exiting = bool(args.exit_interval) and it % args.exit_interval == 0
@@ -396,12 +404,16 @@ def _train_loop(run: _Run) -> bool:
     return True
 
 
-def train(args) -> str:
-    """Run the whole job; returns the final params sha256 (printed by rank 0)."""
+def train(args, *, watchdogs: list | None = None) -> str:
+    """Run the whole job; returns the final params sha256 (printed by rank 0). ``watchdogs``:
+    receives the rank's :class:`~megatron.ciera.failfast.Watchdog` once the process group is up
+    (the caller's error path reports stalls with it)."""
     if args.logging_level is not None:
         logging.getLogger().setLevel(args.logging_level)
     logging_utils.check_writer_packages(args)
     parallel.initialize(args)
+    if watchdogs is not None:
+        watchdogs.append(failfast.Watchdog(timeout_s=60.0 * args.distributed_timeout_minutes).start())
     _log_selection_decisions(args)
     _report_cpu_ignored(args)
     if note := upstream_notices.fallback_note(device=_device(args)):
@@ -439,15 +451,24 @@ def train(args) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Entry point of one rank. An error anywhere ends this rank at once, printed once and with a
+    non-zero status, without a collective or a wait on the other ranks (the launcher ends them):
+    :func:`megatron.ciera.failfast.exit_on_error`. Every process the rank forks dies with it."""
     # torch.distributed's deprecation notices for the collectives Megatron-Core calls, once per call.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    failfast.guard_children()
     args = parse_args(argv)
+    watchdogs: list = []  # the rank's watchdog, once the process group exists
     try:
-        train(args)
-    finally:
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+        train(args, watchdogs=watchdogs)
+    except BaseException as exc:  # noqa: BLE001 - every error takes the same way out
+        if not (isinstance(exc, SystemExit) and exc.code in (0, None)):
+            failfast.exit_on_error(exc, watchdog=watchdogs[0] if watchdogs else None)
+    for watchdog in watchdogs:
+        watchdog.stop()
+    if dist.is_initialized():  # only after success: every rank reaches this barrier
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

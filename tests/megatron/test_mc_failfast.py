@@ -1,0 +1,216 @@
+"""An error on one rank ends the whole job within seconds, said once, by the rank that failed;
+no process outlives its rank; a stalled peer ends the job once, at the timeout, in one line naming
+the collective, the group and the ranks that did not arrive (megatron.ciera.failfast).
+
+Faults come from ``CIERA_FAULT_INJECT=KIND:RANK:ITERATION`` or from the test itself (kill -9 of a
+DataLoader worker, of rank 0 in the middle of a save). Every run trains far longer than the test
+waits (--train-iters 100000), so only the fault can end it."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron.ciera.launch import torchrun_command, torchrun_env
+
+pytestmark = pytest.mark.distributed
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
+        "--use-distributed-optimizer", "--bf16", "--lr", "1e-3", "--mock-data", "--eval-iters", "0",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", "--micro-batch-size", "1", "--device", "cpu",
+        "--log-interval", "1", "--distributed-timeout-minutes", "1", "--train-iters", "100000"]
+FAST_S = 15  # an ended job: from the fault to the launcher's exit
+
+
+class Job:
+    """``per_rank_pretrain.py`` on 2 ranks, its output read line by line with arrival times."""
+
+    def __init__(self, flags, *, fault: str = "", script: Path = HERE / "per_rank_pretrain.py", env=None):
+        extra = {"CIERA_FAULT_INJECT": fault} if fault else {}
+        self.proc = subprocess.Popen(torchrun_command(script, flags), cwd=ROOT, env=env or torchrun_env(**extra),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self.lines: list[tuple[float, str]] = []
+        self.pids: dict[int, int] = {}
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append((time.time(), line))
+            m = re.match(r"per_rank_pretrain: rank (\d+) pid (\d+)", line)
+            if m:
+                self.pids[int(m.group(1))] = int(m.group(2))
+
+    @property
+    def output(self) -> str:
+        return "".join(line for _, line in self.lines)
+
+    def wait_for(self, pattern: str, timeout: float = 240) -> float:
+        """Arrival time of the first line containing ``pattern``."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            for t, line in list(self.lines):
+                if pattern in line:
+                    return t
+            if self.proc.poll() is not None and not self._reader.is_alive():
+                break
+            time.sleep(0.01)
+        self.kill()
+        raise AssertionError(f"no line with {pattern!r}:\n{self.output[-3000:]}")
+
+    def end(self, timeout: float = 120) -> float:
+        """Wait for the launcher to exit; returns the time it did."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        ended = time.time()
+        self._reader.join(timeout=10)
+        return ended
+
+    def kill(self):
+        for pid in [*self.pids.values(), self.proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(p) for p in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def forked_writer(pid: int) -> bool:
+    """A process forked by a rank (its command line) holding files open (not the rank's
+    sentinel, which closes them all: megatron.ciera.failfast)."""
+    try:
+        return "per_rank_pretrain" in open(f"/proc/{pid}/cmdline").read() and bool(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return False
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for a reaper counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def assert_failed_once(job: Job, cause: str, *, rank: int):
+    out = job.output
+    assert job.proc.returncode != 0, out[-3000:]
+    assert out.count(cause) == 1, out[-3000:]  # said once
+    first = next(line for _, line in job.lines if re.match(r"rank \d+: ", line))
+    assert first.startswith(f"rank {rank}: "), out[-3000:]  # and first, by the rank that failed
+
+
+def test_exception_on_one_rank_ends_the_job_fast():
+    job = Job(TINY, fault="raise:1:3")
+    failed = job.wait_for("fault injected on rank 1 after iteration 3")
+    assert job.end() - failed < FAST_S
+    assert_failed_once(job, "RuntimeError: CIERA_FAULT_INJECT: fault injected on rank 1 after iteration 3", rank=1)
+    assert "rank 0: a peer went away" in job.output or "rank 0:" not in job.output
+
+
+def test_killed_dataloader_worker_ends_the_job_fast():
+    job = Job([*TINY, "--num-workers", "1"])
+    job.wait_for(" iteration        3/")
+    workers = children(job.pids[1])
+    assert workers, job.output[-2000:]
+    killed = time.time()
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    assert job.end() - killed < FAST_S
+    out = job.output
+    assert job.proc.returncode != 0, out[-3000:]
+    assert re.search(r"rank 1: child process \d+ was killed by SIGKILL|DataLoader worker \(pid", out), out[-3000:]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_killed_checkpoint_writer_ends_the_job_fast(tmp_path, mode):
+    """Every process rank 0 forks for the save of iteration 4 dies at once (rank 0 writes the
+    replicated tensors: it always has a writer); the save of iteration 2 stays the latest."""
+    save = tmp_path / "ckpt"
+    job = Job([*TINY, "--save", str(save), "--save-interval", "2", *(["--async-save"] if mode == "async" else [])],
+              fault="kill-writer:0:4")
+    started = job.wait_for(" iteration        4/")
+    assert job.end() - started < FAST_S
+    out = job.output
+    assert job.proc.returncode != 0, out[-3000:]
+    assert re.search(r"rank 0: child process \d+ was killed by SIGKILL|rank 0: .*(Worker|worker|writer|results_queue)",
+                     out), out[-3000:]
+    assert not (save / "iter_0000004").exists()
+    tracker = save / "latest_checkpointed_iteration.txt"
+    if mode == "sync" or tracker.exists():  # an async save of iteration 2 may still be under way
+        assert tracker.read_text() == "2" and (save / "iter_0000002" / "checksums.sha256").is_file()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_no_process_outlives_rank_0_killed_mid_save(tmp_path, mode):
+    """kill -9 of rank 0 while its checkpoint writer runs: the writer (and its own children)
+    die with it, and every rank's process tree is gone when the launcher exits."""
+    job = Job([*TINY, "--save", str(tmp_path / "ckpt"), "--save-interval", "1", "--num-workers", "0",
+               *(["--async-save"] if mode == "async" else [])])
+    job.wait_for("saved checkpoint" if mode == "sync" else "started saving checkpoint")
+    deadline, writers = time.time() + 60, []
+    while not writers and time.time() < deadline:
+        writers = [pid for pid in children(job.pids[0]) if forked_writer(pid)]
+    assert writers, "no checkpoint writer seen"
+    family = [*children(job.pids[0]), *children(job.pids[1])]  # + the Manager, sentinels, ...
+    seen = set(family) | {g for pid in family for g in children(pid)}
+    os.kill(job.pids[0], signal.SIGKILL)
+    job.end()
+    time.sleep(1)
+    left = [pid for pid in [*seen, *job.pids.values()] if alive(pid)]
+    assert not left, f"processes outlived their rank: {left}"
+
+
+@pytest.mark.parametrize("mode", ["backend", "watchdog"])
+def test_stalled_peer_is_named_in_one_line(mode):
+    """A fast stall (2 s timeout) outside training: rank 0 waits in all_reduce for rank 1, which
+    never comes. The report names the collective, the group and rank 1; it comes from the error
+    path when the backend's timeout fires, from the watchdog when the backend would wait longer."""
+    job = Job([], script=HERE / "stall_ranks.py", env=torchrun_env(STALL_MODE=mode))
+    start = time.time()
+    job.end(timeout=60)
+    out = job.output
+    assert job.proc.returncode != 0 and time.time() - start < 25, out[-3000:]
+    stalls = [line for _, line in job.lines if line.startswith("rank 0: stalled")]
+    assert len(stalls) == 1, out[-3000:]
+    assert "all_reduce called from <module> (stall_ranks.py:" in stalls[0], stalls[0]
+    assert "collective 2 of group 1 " in stalls[0] and "(ranks [0, 1])" in stalls[0], stalls[0]
+    assert "did not arrive: rank 1 (at collective 1 of the group" in stalls[0], stalls[0]
+
+
+@pytest.mark.slow
+def test_stopped_rank_ends_the_job_at_the_timeout():
+    """SIGSTOP of rank 1 with --distributed-timeout-minutes 1: one line naming the collective, the
+    group and rank 1, and the job ends once, within 80 s of the stop (torchrun's SIGKILL of the
+    stopped rank after launch.SHUTDOWN_TIMEOUT_S included)."""
+    job = Job(TINY, fault="stop:1:3")
+    stopped = job.wait_for("rank 1 stops itself (SIGSTOP) after iteration 3")
+    ended = job.end(timeout=200)
+    out = job.output
+    assert job.proc.returncode != 0 and ended - stopped < 80, (ended - stopped, out[-3000:])
+    stalls = [line for _, line in job.lines if ": stalled" in line]
+    assert len(stalls) == 1 and stalls[0].startswith("rank 0: stalled"), out[-3000:]
+    assert "did not arrive: rank 1 " in stalls[0] and "(ranks [0, 1])" in stalls[0], stalls[0]
