@@ -33,10 +33,13 @@ Nothing lost:
 ``--ckpt-format torch`` writes Megatron-LM's legacy per-rank files instead
 (:mod:`megatron.ciera.torch_checkpoint`), published the same way; it loads only at its own layout.
 A checkpoint from another expert-parallel size loads too: the optimizers' common part is
-regrouped for this run's chained optimizers (:func:`_fit_optimizer_layout`).
+regrouped for this run's chained optimizers.
 
-A version difference is isolated here: megatron-core <= 0.19 misplaces the optimizer state of
-every bucket after the first in ``fully_reshardable`` checkpoints (:func:`_bucket_padding_fix`).
+megatron-core's checkpoint behaviours that would lose or refuse state (the optimizer state of
+every bucket after the first misplaced in ``fully_reshardable`` checkpoints, torch Adam's ``step``
+on load, a change of expert-parallel size) are worked around in
+:mod:`megatron.ciera.checkpoint_fixes`, each with its version gate and the upstream fix that
+retires it.
 
 CIERA keeps no state in checkpoints: the caller invalidates its caches after :func:`load`
 (``bucket_group.invalidate_param_caches``), so the first gather after a load is raw.
@@ -45,7 +48,6 @@ CIERA keeps no state in checkpoints: the caller invalidates its caches after :fu
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import hashlib
 import os
@@ -59,6 +61,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.ciera import torch_checkpoint
+from megatron.ciera.checkpoint_fixes import (bucket_padding_fix, fit_optimizer_layout, sub_optimizers,
+                                             torch_adam_step_fix)
 
 __all__ = ["TRACKER", "CHECKSUMS", "preflight", "save", "write", "async_queue", "finalize_async_saves", "load", "latest_iteration", "iteration_dir",
            "complete_iterations", "verify"]
@@ -215,32 +219,13 @@ def _layout(args) -> tuple[int, int]:
     return (getattr(args, "pipeline_model_parallel_size", 1) or 1, getattr(args, "tensor_model_parallel_size", 1) or 1)
 
 
-def _sub_optimizers(optimizer) -> list:
-    """The distributed optimizers behind ``optimizer``: a ChainedOptimizer's (dense, then expert
-    parameters), or the optimizer itself."""
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-@contextlib.contextmanager
-def _instance_override(name: str, overrides: list):
-    """Give each object of the ``(object, function)`` pairs its own attribute ``name`` for the
-    duration of the block; afterwards the class's method shows through again, even on error."""
-    for obj, fn in overrides:
-        setattr(obj, name, fn)
-    try:
-        yield
-    finally:
-        for obj, _ in overrides:
-            delattr(obj, name)
-
-
 @torch.no_grad()
 def _materialise_optimizer_state(optimizer) -> None:
     """A fresh torch optimizer has no state yet (no ``step``, no moments), and megatron-core's
     distributed optimizer cannot describe (hence load) a state it does not have. One step on zero
     gradients creates it; the parameters are restored bit for bit (weight decay moved them) and
     the load overwrites the state itself."""
-    for opt in _sub_optimizers(optimizer):
+    for opt in sub_optimizers(optimizer):
         inner = opt.optimizer
         if inner.state:
             continue
@@ -263,62 +248,6 @@ def _model_keys(model) -> list[tuple[str, object]]:
     return [(f"model{i}", chunk) for i, chunk in enumerate(chunks)]
 
 
-def _upstream_misplaces_padded_buckets() -> bool:
-    """Whether this megatron-core's ``fully_reshardable`` optimizer state has the bucket-padding
-    bug (megatron-core <= 0.19; fixed upstream by NVIDIA/Megatron-LM#5077): the gathered "world"
-    tensors drop the padding at the end of each bucket, but each parameter is then sliced out of
-    them at its index in the *padded* buffer. With more than one bucket per buffer (``--ddp-bucket-size``
-    below the model size, as under ``--overlap-grad-reduce``) every parameter after the first
-    bucket is saved with another parameter's main weights and moments, so a resume diverges. The
-    buggy versions are recognised by their zero-padding workaround for a slice that runs short."""
-    import inspect
-
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    return "missing_elems_num" in inspect.getsource(DistributedOptimizer.sharded_param_state_fully_reshardable)
-
-
-def _in_buffer_layout(world: torch.Tensor, buffer) -> torch.Tensor:
-    """``world`` (the buckets' unpadded elements back to back) laid out as ``buffer`` is: each
-    bucket at its offset, the padding after it zero."""
-    out = torch.zeros(buffer.numel, dtype=world.dtype, device=world.device)
-    start = 0
-    for bucket in buffer.buckets:
-        out[bucket.offset:bucket.offset + bucket.numel_unpadded] = world[start:start + bucket.numel_unpadded]
-        start += bucket.numel_unpadded
-    return out
-
-
-@contextlib.contextmanager
-def _bucket_padding_fix(optimizer):
-    """Version isolation (see :func:`_upstream_misplaces_padded_buckets`): while the optimizer's
-    sharded state dict is built, its gathered world tensors come back in the buffer's own
-    (padded) layout, so each parameter's slice is its own. The checkpoint holds the same keys and
-    shapes as upstream's; only the values of the parameters past the first bucket change (they
-    become right). Loading needs no change: its world tensors are empty placeholders."""
-    overrides = []
-    if _upstream_misplaces_padded_buckets():
-        for opt in _sub_optimizers(optimizer):
-            original = getattr(opt, "get_parameter_state_dp_zero", None)
-            if original is None or not hasattr(opt, "buffers"):
-                continue
-
-            def dp_zero(*a, _opt=opt, _original=original, **k):
-                state = _original(*a, **k)
-                if state is None:
-                    return None
-                for gbuf_idx, buffer in enumerate(_opt.buffers):
-                    for world in state[gbuf_idx].values():
-                        for key in ("param", "exp_avg", "exp_avg_sq"):
-                            if key in world:
-                                world[key] = _in_buffer_layout(world[key], buffer)
-                return state
-
-            overrides.append((opt, dp_zero))
-    with _instance_override("get_parameter_state_dp_zero", overrides):
-        yield
-
-
 def _sharded_state_dict(model, optimizer, *, metadata: dict, with_optimizer: bool, with_rng: bool,
                         is_loading: bool) -> dict:
     state = {key: _unwrap(chunk).sharded_state_dict(metadata=metadata) for key, chunk in _model_keys(model)}
@@ -326,7 +255,7 @@ def _sharded_state_dict(model, optimizer, *, metadata: dict, with_optimizer: boo
     if with_optimizer and is_loading:
         _materialise_optimizer_state(optimizer)
     if with_optimizer:
-        with _bucket_padding_fix(optimizer):
+        with bucket_padding_fix(optimizer):
             state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
     if with_rng:
         state["rng_state"] = _sharded_rng_state()
@@ -575,104 +504,6 @@ def _check_shapes(saved, args) -> None:
         raise SystemExit("the checkpoint's model does not match this run's:\n  " + "\n  ".join(diffs))
 
 
-@contextlib.contextmanager
-def _torch_adam_step_fix(optimizer):
-    """Version isolation (megatron-core 0.16.1 without Apex / TE): loading a ``fully_reshardable``
-    state copies every key of torch Adam's per-parameter state from the checkpoint's tensors, but
-    those tensors leave out ``step`` (restored separately, from the common part): KeyError. For the
-    duration of the load, copy only the keys the checkpoint provides; anything else missing than
-    ``step`` still fails. Afterwards every parameter gets its own ``step`` tensor: the load gives
-    them all one shared tensor, which torch Adam's foreach path would then increment once per
-    parameter per step (a wrong bias correction from the first step after the resume on)."""
-    overrides = []
-    for opt in _sub_optimizers(optimizer):
-        original = getattr(opt, "_set_main_param_and_optimizer_states", None)
-        if original is None:
-            continue
-
-        def setter(model_param, tensors, _opt=opt, _original=original):
-            group_index, group_order = _opt.model_param_group_index_map[model_param]
-            main_param = _opt.optimizer.param_groups[group_index]["params"][group_order]
-            state = _opt.optimizer.state.get(main_param, {})
-            if "step" in state and "step" not in tensors:
-                missing = set(state) - set(tensors) - {"step"}
-                if missing:
-                    raise KeyError(f"optimizer state {sorted(missing)} missing from the checkpoint")
-                main_param.detach().copy_(tensors["param"])
-                for key, value in state.items():
-                    if key != "step":
-                        value.copy_(tensors[key])
-                return
-            _original(model_param, tensors)
-
-        overrides.append((opt, setter))
-    with _instance_override("_set_main_param_and_optimizer_states", overrides):
-        yield
-    for opt in _sub_optimizers(optimizer):
-        for state in opt.optimizer.state.values():
-            if isinstance(state.get("step"), torch.Tensor):
-                state["step"] = state["step"].clone()
-
-
-def _saved_optimizers(loaded: dict) -> list[dict]:
-    """The per-optimizer common parts of a loaded optimizer state: one (a plain distributed
-    optimizer) or one per chained optimizer (keys 0, 1, ...: dense, then expert parameters)."""
-    if "optimizer" in loaded:
-        return [loaded]
-    return [loaded[k] for k in sorted(k for k in loaded if isinstance(k, int) and "optimizer" in loaded[k])]
-
-
-def _matching_group(group: dict, saved_groups: list[dict]) -> dict:
-    """The checkpoint's parameter group for this run's ``group``: the same identifier keys
-    (weight-decay and LR multipliers, decoupled LR), and ``is_expert_parallel`` too where the
-    checkpoint has such a group (at EP 1 the experts join the dense groups)."""
-    from megatron.core.optimizer.optimizer import param_group_identifier_keys as keys
-
-    def ident(g, with_ep):
-        return tuple(g.get(k, g.get(f"pre_{k}")) for k in keys if with_ep or k != "is_expert_parallel")
-
-    for with_ep in (True, False):
-        found = [g for g in saved_groups if ident(g, with_ep) == ident(group, with_ep)]
-        if found:
-            return {**found[0], "is_expert_parallel": group.get("is_expert_parallel", False)}
-    raise SystemExit(f"the checkpoint has no optimizer parameter group like this run's {ident(group, True)} "
-                     f"({keys}); pass --no-load-optim to start with a fresh optimizer")
-
-
-def _fit_optimizer_layout(loaded: dict, optimizer) -> dict:
-    """The loaded optimizer state in the structure of this run's optimizer.
-
-    megatron-core keeps the expert parameters in an optimizer of their own only at EP > 1 (at EP 1
-    they are ordinary data-parallel parameters): a checkpoint written at another EP size holds
-    the optimizers' common part (parameter groups, step) for another number of chained
-    optimizers, while the ``fully_reshardable`` tensors, keyed by model parameter, already land
-    where this run's request put them. Megatron-LM's loader passes that mismatch on to
-    ``ChainedOptimizer.load_state_dict`` (``KeyError: 'optimizer'`` from EP 2 to EP 1, a count
-    error from EP 1 to EP 2); here each of this run's optimizers gets the checkpoint's groups
-    that match its own. A structure that already matches is returned as is."""
-    subs = _sub_optimizers(optimizer)
-    saved = _saved_optimizers(loaded)
-    single = len(subs) == 1
-    if (single and "optimizer" in loaded) or (not single and len(saved) == len(subs) and "optimizer" not in loaded):
-        return loaded
-    kinds = {s.get("param_state_sharding_type") for s in saved}
-    if not kinds <= {"fully_reshardable", "fully_sharded_model_space"}:
-        raise SystemExit(f"the checkpoint's optimizer ({len(saved)} chained, sharding {sorted(map(str, kinds))}) "
-                         f"cannot load into this run's {len(subs)} optimizers: only a fully reshardable optimizer "
-                         "state changes its expert-parallel size (save it with this repo, or pass --no-load-optim)")
-    saved_groups = [g for s in saved for g in s["optimizer"]["param_groups"]]
-    out = {}
-    for i, sub in enumerate(subs):
-        part = {k: v for k, v in saved[0].items() if isinstance(k, str) and k not in ("optimizer", "param_state")}
-        part["optimizer"] = {k: v for k, v in saved[0]["optimizer"].items() if k != "param_groups"}
-        part["optimizer"]["param_groups"] = [_matching_group(g, saved_groups) for g in sub.optimizer.param_groups]
-        tensors = loaded if single else loaded.get(i, {})
-        if "param_state" in tensors:
-            part["param_state"] = tensors["param_state"]
-        out[i] = part
-    return out[0] if single else out
-
-
 @torch.no_grad()
 def load(args: argparse.Namespace, *, model, optimizer, scheduler) -> int:
     """Collective: restore the checkpoint ``--load`` / ``--ckpt-step`` names; returns the iteration
@@ -708,7 +539,7 @@ def load(args: argparse.Namespace, *, model, optimizer, scheduler) -> int:
         state, missing, unexpected = state
         _print0(f"checkpoint key mismatch: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
     def load_optimizer():
-        optimizer.load_state_dict(_fit_optimizer_layout(state["optimizer"], optimizer))
+        optimizer.load_state_dict(fit_optimizer_layout(state["optimizer"], optimizer))
 
     return _restore(args, plan, state, model=model, optimizer=optimizer, scheduler=scheduler,
                     load_optimizer=load_optimizer if with_optimizer else None, with_rng=with_rng)
@@ -722,7 +553,7 @@ def _restore(args, plan: _LoadPlan, state: dict, *, model, optimizer, scheduler,
     for key, chunk in _model_keys(model):
         _unwrap(chunk).load_state_dict(state[key], strict=args.dist_ckpt_strictness != "ignore_all")
     if load_optimizer is not None:
-        with _torch_adam_step_fix(optimizer):
+        with torch_adam_step_fix(optimizer):
             load_optimizer()
         scheduler.load_state_dict(state["opt_param_scheduler"])
     else:

@@ -19,7 +19,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from megatron.ciera import checkpointing
+from megatron.ciera import checkpoint_fixes, checkpointing
 from megatron.ciera.launch import run_pretrain
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -396,24 +396,24 @@ def test_optimizer_state_follows_the_expert_parallel_size():
            1: {"optimizer": {"param_groups": expert}, "param_state_sharding_type": "fully_reshardable"},
            "param_state": tensors}
     one = SimpleNamespace(chained_optimizers=[opt(_group(1.0, False), _group(0.0, False))])
-    fitted = checkpointing._fit_optimizer_layout(ep2, one)
+    fitted = checkpoint_fixes.fit_optimizer_layout(ep2, one)
     assert fitted == {"optimizer": {"param_groups": dense}, "param_state_sharding_type": "fully_reshardable",
                       "param_state": tensors}
     # EP 1 checkpoint -> EP 2: the expert optimizer takes the dense group of the same multipliers
     ep1 = {"optimizer": {"param_groups": dense}, "param_state_sharding_type": "fully_reshardable"}
     loaded = {**ep1, 0: {"param_state": "dense tensors"}, 1: {"param_state": "expert tensors"}}
     two = SimpleNamespace(chained_optimizers=[opt(*dense), opt(_group(1.0, True))])
-    fitted = checkpointing._fit_optimizer_layout(loaded, two)
+    fitted = checkpoint_fixes.fit_optimizer_layout(loaded, two)
     assert fitted[0] == {"optimizer": {"param_groups": dense}, "param_state_sharding_type": "fully_reshardable",
                          "param_state": "dense tensors"}
     assert fitted[1]["optimizer"]["param_groups"] == [_group(1.0, True, step=2.0, lr=3e-4)]
     assert fitted[1]["param_state"] == "expert tensors"
     # same structure: untouched; a layout-bound optimizer format or an unknown group: a clear error
-    assert checkpointing._fit_optimizer_layout(ep1, one) is ep1
+    assert checkpoint_fixes.fit_optimizer_layout(ep1, one) is ep1
     with pytest.raises(SystemExit, match="only a fully reshardable optimizer state changes its expert-parallel"):
-        checkpointing._fit_optimizer_layout({**ep1, "param_state_sharding_type": "dp_reshardable", 0: {}, 1: {}}, two)
+        checkpoint_fixes.fit_optimizer_layout({**ep1, "param_state_sharding_type": "dp_reshardable", 0: {}, 1: {}}, two)
     with pytest.raises(SystemExit, match="no optimizer parameter group like"):
-        checkpointing._fit_optimizer_layout(ep2, SimpleNamespace(chained_optimizers=[opt(_group(0.5, False))]))
+        checkpoint_fixes.fit_optimizer_layout(ep2, SimpleNamespace(chained_optimizers=[opt(_group(0.5, False))]))
 
 
 def test_world_tensors_are_put_back_in_the_buffer_layout():
@@ -426,9 +426,23 @@ def test_world_tensors_are_put_back_in_the_buffer_layout():
                SimpleNamespace(offset=16, numel_unpadded=4)]
     buffer = SimpleNamespace(numel=24, buckets=buckets)
     world = torch.arange(1, 13, dtype=torch.float32)  # the buckets' elements back to back
-    out = checkpointing._in_buffer_layout(world, buffer)
+    out = checkpoint_fixes.in_buffer_layout(world, buffer)
     assert out.tolist() == [1, 2, 3, 4, 5, 0, 0, 0, 6, 7, 8, 0, 0, 0, 0, 0, 9, 10, 11, 12, 0, 0, 0, 0]
-    assert checkpointing._upstream_misplaces_padded_buckets()  # megatron-core 0.16.1: the fix is active
+    assert checkpoint_fixes.upstream_misplaces_padded_buckets()  # megatron-core 0.16.1: the fix is active
+
+
+def test_checkpoint_workarounds_are_gated_on_the_upstream_sources_they_were_checked_against():
+    """Every upstream method the workarounds replace or rely on is the one read in a checked
+    megatron-core version; a changed one is named with what to re-check."""
+    digests = checkpoint_fixes.installed_digests()
+    names = {m.name for m in checkpoint_fixes.UPSTREAM_METHODS}
+    for version, table in checkpoint_fixes.KNOWN_SOURCES.items():
+        assert set(table) == names, version
+    assert checkpoint_fixes.upstream_changes() == [], (
+        "re-check these, then record their digests in checkpoint_fixes.KNOWN_SOURCES: " + str(digests))
+    method = checkpoint_fixes.UPSTREAM_METHODS[0]
+    changes = checkpoint_fixes.upstream_changes(digests={**digests, method.name: "0" * 16})
+    assert len(changes) == 1 and method.name in changes[0] and method.recheck in changes[0]
 
 
 def _digests(folder) -> dict:
