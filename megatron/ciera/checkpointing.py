@@ -17,8 +17,9 @@ state, so a checkpoint reshards to any DP / TP / PP / EP layout),
 Nothing lost:
 
 * a save writes ``iter_N.incomplete/``, then the checksums, then renames it to ``iter_N`` and
-  only then replaces the tracker: a crash at any point leaves the previous checkpoint the latest,
-  and no half-written folder is ever read (leftovers are removed at the next start);
+  only then replaces the tracker (:mod:`megatron.ciera.checkpoint_publish`): a crash at any point
+  leaves the previous checkpoint the latest, and no half-written folder is ever read (leftovers
+  are removed at the next start);
 * :func:`preflight` (start-up, before any training) checks that ``--save`` is writable by every
   rank and refuses a run that would start from scratch while ``--save`` already holds
   checkpoints (a mistyped ``--load``) unless ``--overwrite-checkpoints``;
@@ -49,10 +50,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import hashlib
 import os
 import random
-import re
 import shutil
 from dataclasses import dataclass
 
@@ -63,15 +62,13 @@ import torch.distributed as dist
 from megatron.ciera import torch_checkpoint
 from megatron.ciera.checkpoint_fixes import (bucket_padding_fix, fit_optimizer_layout, sub_optimizers,
                                              torch_adam_step_fix)
+from megatron.ciera.checkpoint_publish import (CHECKSUMS, INCOMPLETE, TRACKER, begin, complete_iterations,
+                                               iteration_dir, latest_iteration, print0, publish, verify)
 
 __all__ = ["TRACKER", "CHECKSUMS", "preflight", "save", "write", "async_queue", "finalize_async_saves", "load", "latest_iteration", "iteration_dir",
            "complete_iterations", "verify"]
 
-TRACKER = "latest_checkpointed_iteration.txt"
-CHECKSUMS = "checksums.sha256"
-INCOMPLETE = ".incomplete"
 CHECKPOINT_VERSION = 3.0
-_ITER_DIR = re.compile(r"^iter_(\d{7})$")
 # Optimizer layout: canonical per-parameter state (Megatron-LM's --dist-ckpt-optim-fully-reshardable),
 # loadable at any DP / TP / PP / EP layout. Loading reads the layout from the checkpoint's content
 # metadata, so Megatron-LM's default 'dp_reshardable' checkpoints load too (at a new DP size only).
@@ -81,11 +78,6 @@ _CONTENT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
 _SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                "kv_channels", "num_experts", "moe_ffn_hidden_size", "swiglu", "untie_embeddings_and_output_weights",
                "padded_vocab_size")
-
-
-def _print0(msg: str) -> None:
-    if dist.get_rank() == 0:
-        print(msg, flush=True)
 
 
 def _agree(problem: str | None) -> list[str]:
@@ -99,31 +91,6 @@ def _fail_together(problem: str | None) -> None:
     problems = _agree(problem)
     if problems:
         raise SystemExit("\n".join(dict.fromkeys(problems)))
-
-
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def latest_iteration(root: str) -> int | None:
-    """The tracker's iteration, ``None`` when there is no tracker."""
-    try:
-        with open(os.path.join(root, TRACKER)) as f:
-            text = f.read().strip()
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    if not text.isdigit():
-        raise SystemExit(f"{os.path.join(root, TRACKER)}: expected an iteration number, found {text[:40]!r}")
-    return int(text)
-
-
-def complete_iterations(root: str) -> list[int]:
-    """Iterations of the finished checkpoint folders under ``root`` (ascending)."""
-    try:
-        names = os.listdir(root)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    return sorted(int(m.group(1)) for m in map(_ITER_DIR.match, names) if m)
 
 
 def _holds_checkpoint(root: str | None) -> int | None:
@@ -170,7 +137,7 @@ def preflight(args: argparse.Namespace) -> None:
             f"{existing}); this run would overwrite them. Fix --load (e.g. --load {args.save}), choose another "
             "--save, or pass --overwrite-checkpoints to start over anyway.")
     if args.load and found is None:
-        _print0(f"WARNING: --load {args.load} holds no checkpoint: training starts from scratch")
+        print0(f"WARNING: --load {args.load} holds no checkpoint: training starts from scratch")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,79 +230,6 @@ def _sharded_state_dict(model, optimizer, *, metadata: dict, with_optimizer: boo
 
 
 # ---------------------------------------------------------------------------------------------
-# checksums
-
-def _files(folder: str) -> list[str]:
-    out = []
-    for base, _, names in os.walk(folder):
-        out += [os.path.relpath(os.path.join(base, n), folder) for n in names if n != CHECKSUMS]
-    return sorted(out)
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _hash_share(folder: str, names: list[str]) -> dict:
-    """This rank's share (every world-th file) of the digests; ``None`` for an unreadable file."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    out = {}
-    for name in names[rank::world]:
-        try:
-            out[name] = _sha256(os.path.join(folder, name))
-        except OSError:
-            out[name] = None
-    return out
-
-
-def _write_checksums(folder: str) -> None:
-    """Collective: the digests of every file in ``folder``, hashed in parallel, written by rank 0."""
-    names = _files(folder)
-    shares = [None] * dist.get_world_size()
-    dist.all_gather_object(shares, _hash_share(folder, names))
-    if dist.get_rank() == 0:
-        digests = {k: v for share in shares for k, v in share.items()}
-        tmp = os.path.join(folder, CHECKSUMS + ".tmp")
-        with open(tmp, "w") as f:
-            f.writelines(f"{digests[n]}  {n}\n" for n in names)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(folder, CHECKSUMS))
-
-
-def verify(folder: str) -> list[str]:
-    """Collective: what is wrong with checkpoint ``folder`` ([] when it passes), the same list on
-    every rank. A checkpoint without a checksums file (written by Megatron-LM) passes unverified."""
-    listing = os.path.join(folder, CHECKSUMS)
-    problems = []
-    if not os.path.isdir(folder):
-        problems.append(f"{folder} does not exist")
-    elif not (os.path.isfile(os.path.join(folder, "metadata.json")) or torch_checkpoint.is_torch_checkpoint(folder)):
-        problems.append(f"{os.path.join(folder, 'metadata.json')} is missing (not a complete torch_dist checkpoint, "
-                        f"nor a torch one with mp_rank_*/{torch_checkpoint.MODEL_FILE})")
-    elif os.path.isfile(listing):
-        with open(listing) as f:
-            expected = dict(reversed(line.rstrip("\n").split("  ", 1)) for line in f if line.strip())
-        names = sorted(expected)
-        mine = _hash_share(folder, names)
-        for name, digest in mine.items():
-            path = os.path.join(folder, name)
-            if digest is None:
-                problems.append(f"{path} is missing or unreadable")
-            elif digest != expected[name]:
-                problems.append(f"{path} is damaged (sha256 {digest[:16]}..., expected {expected[name][:16]}...)")
-    else:
-        _print0(f"note: {folder} has no {CHECKSUMS} (not written by CIERA-Megatron): loading it unverified")
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, problems)
-    return sorted({p for ps in everyone for p in ps})
-
-
-# ---------------------------------------------------------------------------------------------
 # save
 
 def _saved_args(args, iteration: int) -> argparse.Namespace:
@@ -372,28 +266,6 @@ def finalize_async_saves(queue, *, blocking: bool) -> None:
             queue.close()
 
 
-def _publish(root: str, iteration: int) -> None:
-    """Collective, once every rank's files of ``iter_N.incomplete`` are written: checksums, then
-    the rename to ``iter_N``, then the tracker (each step only after the one before is durable)."""
-    final = iteration_dir(root, iteration)
-    partial = final + INCOMPLETE
-    dist.barrier()
-    _write_checksums(partial)
-    if dist.get_rank() == 0:
-        replaced = final + ".replaced"
-        if os.path.exists(final):  # re-saving an iteration: the old folder goes only once the new one is whole
-            os.replace(final, replaced)
-        os.replace(partial, final)
-        shutil.rmtree(replaced, ignore_errors=True)
-        tmp = os.path.join(root, TRACKER + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(str(iteration))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(root, TRACKER))
-    dist.barrier()
-
-
 def write(state: dict, *, root: str, iteration: int, queue=None) -> None:
     """Collective: write the sharded ``state`` as checkpoint ``iteration`` under ``root``,
     atomically. With ``queue`` (:func:`async_queue`) the tensors are written in a background
@@ -402,18 +274,14 @@ def write(state: dict, *, root: str, iteration: int, queue=None) -> None:
     checkpoint stays the latest, and a crash leaves only an ``.incomplete`` folder."""
     from megatron.core import dist_checkpointing
 
-    partial = iteration_dir(root, iteration) + INCOMPLETE
-    if dist.get_rank() == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
-    dist.barrier()
+    partial = begin(root=root, iteration=iteration)
     if queue is None:
         dist_checkpointing.save(state, partial, content_metadata=dict(_CONTENT_METADATA))
-        _publish(root, iteration)
+        publish(root=root, iteration=iteration)
         return
     request = dist_checkpointing.save(state, partial, content_metadata=dict(_CONTENT_METADATA),
                                       async_sharded_save=True)
-    request.add_finalize_fn(lambda: _publish(root, iteration))  # after megatron-core's metadata.json
+    request.add_finalize_fn(lambda: publish(root=root, iteration=iteration))  # after megatron-core's metadata.json
     queue.schedule_async_request(request)
 
 
@@ -446,17 +314,13 @@ def _common_entries(args, *, iteration: int, scheduler, flops_so_far: float) -> 
 def _save_torch(args, *, iteration: int, model, optimizer, scheduler, flops_so_far: float) -> None:
     """``--ckpt-format torch``: per-rank files (:mod:`megatron.ciera.torch_checkpoint`) written into
     ``iter_N.incomplete`` and published as the torch_dist ones are (checksums, rename, tracker)."""
-    partial = iteration_dir(args.save, iteration) + INCOMPLETE
-    if dist.get_rank() == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
-    dist.barrier()
+    partial = begin(root=args.save, iteration=iteration)
     state = _common_entries(args, iteration=iteration, scheduler=scheduler, flops_so_far=flops_so_far)
     if not args.no_save_rng:
         state["rng_state"] = [_rng_state()]  # DP rank 0's, as Megatron-LM without --data-parallel-random-init
     torch_checkpoint.save(partial, state=state, model_chunks=[(k, _unwrap(c)) for k, c in _model_keys(model)],
                           optimizer=optimizer, with_optimizer=not args.no_save_optim)
-    _publish(args.save, iteration)
+    publish(root=args.save, iteration=iteration)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -477,7 +341,7 @@ def _choose(args) -> _LoadPlan | None:
     if wanted is None:
         wanted = (complete_iterations(root) or [None])[-1]
         if wanted is not None:
-            _print0(f"note: {root} has no {TRACKER}; loading its newest folder, iteration {wanted}")
+            print0(f"note: {root} has no {TRACKER}; loading its newest folder, iteration {wanted}")
     if wanted is None:
         return None
     candidates = [wanted]
@@ -488,12 +352,12 @@ def _choose(args) -> _LoadPlan | None:
         problems = verify(folder)
         if not problems:
             if it != wanted:
-                _print0(f"WARNING: loading the previous good checkpoint {folder} instead")
+                print0(f"WARNING: loading the previous good checkpoint {folder} instead")
             return _LoadPlan(folder, it)
         report = f"checkpoint {folder} failed verification:\n  " + "\n  ".join(problems)
         if not args.ckpt_fallback_to_previous:
             raise SystemExit(report + "\n(pass --ckpt-fallback-to-previous to load the previous good checkpoint)")
-        _print0("WARNING: " + report)
+        print0("WARNING: " + report)
     raise SystemExit(f"--load {root}: no checkpoint at or before iteration {wanted} passes verification")
 
 
@@ -529,7 +393,7 @@ def load(args: argparse.Namespace, *, model, optimizer, scheduler) -> int:
     with_optimizer = not (args.finetune or args.no_load_optim) and "opt_param_scheduler" in common
     with_rng = not (args.finetune or args.no_load_rng)
     if with_rng and saved_args is not None and _layout(saved_args) != _layout(args):
-        _print0(f"note: checkpoint written at (pp, tp) = {_layout(saved_args)}, this run has {_layout(args)}: "
+        print0(f"note: checkpoint written at (pp, tp) = {_layout(saved_args)}, this run has {_layout(args)}: "
                 "RNG state not loaded (as Megatron-LM)")
         with_rng = False
     request = _sharded_state_dict(model, optimizer, metadata=metadata, with_optimizer=with_optimizer,
@@ -537,7 +401,7 @@ def load(args: argparse.Namespace, *, model, optimizer, scheduler) -> int:
     state = dist_checkpointing.load(request, plan.folder, strict=args.dist_ckpt_strictness)
     if isinstance(state, tuple):  # the 'return_*' strictness modes also return the mismatching keys
         state, missing, unexpected = state
-        _print0(f"checkpoint key mismatch: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+        print0(f"checkpoint key mismatch: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
     def load_optimizer():
         optimizer.load_state_dict(fit_optimizer_layout(state["optimizer"], optimizer))
 
@@ -561,7 +425,7 @@ def _restore(args, plan: _LoadPlan, state: dict, *, model, optimizer, scheduler,
     if with_rng:
         _set_rng_state(state["rng_state"][0])
     iteration = 0 if args.finetune else int(state.get("iteration", plan.iteration))
-    _print0(f"loaded checkpoint {plan.folder} (iteration {plan.iteration}{note})"
+    print0(f"loaded checkpoint {plan.folder} (iteration {plan.iteration}{note})"
             + ("; --finetune: starting at iteration 0" if args.finetune else ""))
     return iteration
 

@@ -19,7 +19,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from megatron.ciera import checkpoint_fixes, checkpointing
+from megatron.ciera import checkpoint_fixes, checkpoint_publish, checkpointing
 from megatron.ciera.launch import run_pretrain
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -49,7 +49,7 @@ def _fake_checkpoint(root, iteration, payload=b"x" * 10000):
     for name in ("common.pt", "metadata.json", "__0_0.distcp", "__0_1.distcp"):
         with open(os.path.join(folder, name), "wb") as f:
             f.write(payload + name.encode())
-    checkpointing._write_checksums(folder)
+    checkpoint_publish.write_checksums(folder)
     with open(os.path.join(root, checkpointing.TRACKER), "w") as f:
         f.write(str(iteration))
     return folder
@@ -364,7 +364,7 @@ def test_checkpoint_format_mismatch_is_named(one_rank_group, tmp_path):
     os.makedirs(os.path.join(folder, "mp_rank_00"))
     with open(os.path.join(folder, "mp_rank_00", torch_checkpoint.MODEL_FILE), "wb") as f:
         f.write(b"not read")
-    checkpointing._write_checksums(folder)
+    checkpoint_publish.write_checksums(folder)
     (tmp_path / checkpointing.TRACKER).write_text("5")
     args = _args(load=str(tmp_path), ckpt_format="torch_dist")
     with pytest.raises(SystemExit, match="is a --ckpt-format torch checkpoint .* pass --ckpt-format torch"):
