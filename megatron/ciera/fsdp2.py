@@ -45,14 +45,11 @@ def _option(dest: str) -> str:
 def check_args(args, err: Callable[[str], None]) -> None:
     """Megatron-LM's own checks of ``--use-torch-fsdp2`` (``megatron/training/arguments.py``:
     no pipeline or expert parallelism, not with the distributed optimizer, no gradient-accumulation
-    fusion, ``--ckpt-format torch_dist``; core 0.19 adds untied embeddings), the flags only
+    fusion, ``--ckpt-format torch_dist``, untied embeddings: core 0.19's check, which 0.16.1 needs as
+    well but fails later without), the flags only
     Megatron's DDP wrapper reads (upstream builds FSDP2's config from
     ``--torch-fsdp2-no-reshard-after-forward`` alone), and the ``--ciera-*`` combination."""
-    from importlib.metadata import version
-
     from megatron.core.distributed import DistributedDataParallelConfig
-
-    from .arguments import _version
 
     if args.pipeline_model_parallel_size != 1:
         err("--use-torch-fsdp2 is not supported with pipeline parallelism (as in Megatron-LM)")
@@ -71,11 +68,12 @@ def check_args(args, err: Callable[[str], None]) -> None:
             "this entry point writes torch_dist")
     for dest in ("save", "load"):
         if getattr(args, dest):
-            err(f"{_option(dest)} with --use-torch-fsdp2: not supported yet (megatron-core's "
-                "Float16OptimizerWithFloat16Params.sharded_state_dict finds none of FSDP2's DTensor parameters "
-                "in the model's sharded state dict: KeyError at the first save)")
-    if _version(version("megatron-core")) >= (0, 19) and not args.untie_embeddings_and_output_weights:
-        err("--use-torch-fsdp2 requires --untie-embeddings-and-output-weights (as in Megatron-LM core 0.19)")
+            err(f"{_option(dest)} with --use-torch-fsdp2: not supported yet (megatron-core's torch_dist state "
+                "dicts do not fit FSDP2's DTensor parameters here: the optimizer's parameter map finds none of "
+                "them, the MoE experts' shardings overlap, and the model's load_state_dict refuses them)")
+    if not args.untie_embeddings_and_output_weights:  # upstream checks it from core 0.19 on; 0.16.1 fails later
+        err("--use-torch-fsdp2 requires --untie-embeddings-and-output-weights (as Megatron-LM core 0.19 checks: "
+            "tied, the output layer multiplies by the embedding unit's resharded DTensor weight)")
     ddp_only = {f.name for f in dataclasses.fields(DistributedDataParallelConfig)} | set(_DDP_RENAMED)
     for dest in sorted((ddp_only - set(_DDP_KEPT)) & set(args.explicit)):
         err(f"{_option(dest)}: only Megatron's DDP wrapper reads it; --use-torch-fsdp2 reduce-scatters the "

@@ -248,11 +248,13 @@ def throughput_tflops(args, *, seconds_per_iteration: float, world_size: int) ->
 
 
 def params_norm(model, *, expert_group) -> float:
-    """Collective: L2 norm of all parameters of the model (each expert counted once across EP)."""
+    """Collective: L2 norm of all parameters of the model (each expert counted once across EP;
+    an FSDP2 parameter, a sharded DTensor, summed over its shards)."""
     dense = torch.zeros((), dtype=torch.float64)
     expert = torch.zeros((), dtype=torch.float64)
     for p in model.parameters():
-        sq = p.detach().double().pow(2).sum().cpu()
+        sq = p.detach().double().pow(2).sum()
+        sq = (sq.full_tensor() if hasattr(sq, "full_tensor") else sq).cpu()
         if getattr(p, "allreduce", True):
             dense += sq
         else:

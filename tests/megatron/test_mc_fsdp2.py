@@ -111,6 +111,25 @@ def test_fsdp2_four_ranks_longer_run():
         assert_bit_identical_and_zero3(run(**kw), run(*flags, **kw), iters=12, micro=2)
 
 
+@pytest.mark.slow
+def test_fsdp2_fp16_skipped_steps_encode_nothing():
+    """fp16 from a loss scale that overflows the first steps: Megatron's optimizer skips them, the
+    parameters stay, and the next iteration's gathers replay (no encode); each step that does update
+    makes the next iteration's first gather encode."""
+    flags = [a if a != "--bf16" else "--fp16" for a in FSDP2]
+    flags += ["--initial-loss-scale", str(2**22), "--log-interval", "1", "--train-iters", str(ITERS),
+              "--global-batch-size", "8"]
+    base, result = (run_pretrain(flags + list(extra), nproc=2, timeout=300)
+                    for extra in ((), ciera("always", "exponents", "exponent_reuse")))
+    assert result.returncode == 0, result.output[-4000:]
+    assert result.losses == base.losses and result.sha256 == base.sha256
+    skipped = [int(re.search(r"number of skipped iterations:\s+(\d+)", line).group(1)) for line in result.iteration_lines()]
+    updated = [i for i in range(ITERS) if skipped[i] == (skipped[i - 1] if i else 0)]  # iterations whose step applied
+    assert 0 < len(updated) < ITERS, skipped  # some skipped, some applied
+    expected = 1 + sum(1 for i in updated if i < ITERS - 1)  # the first gather, then one after each applied step
+    assert set(encodes(result).values()) == {expected}
+
+
 # -- the flags: upstream's rules for --use-torch-fsdp2 and --ciera-cache ---------------------------
 ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--lr", "1e-4", "--micro-batch-size", "2", "--train-iters", "5", "--mock-data", "--tokenizer-type",
@@ -150,6 +169,43 @@ def test_fsdp2_errors_name_the_flags(extra, needle):
     assert needle in str(info.value)
 
 
-def test_fsdp2_needs_gradient_accumulation_fusion_off_as_upstream():
-    with pytest.raises(ValueError, match="pass --no-gradient-accumulation-fusion"):
-        parse([], base=[a for a in ARGS if a != "--no-gradient-accumulation-fusion"])
+@pytest.mark.parametrize("dropped, needle", [
+    ("--no-gradient-accumulation-fusion", "pass --no-gradient-accumulation-fusion"),
+    ("--untie-embeddings-and-output-weights", "--use-torch-fsdp2 requires --untie-embeddings-and-output-weights"),
+])
+def test_fsdp2_needs_upstreams_flags(dropped, needle):
+    with pytest.raises(ValueError, match=needle):
+        parse([], base=[a for a in ARGS if a != dropped])
+
+
+def test_the_encode_hook_sits_on_the_inner_torch_optimizers():
+    """Megatron's optimizer skips the inner step on an fp16 overflow: the hook that marks the
+    shards changed is on the inner torch optimizers (every one of a chained optimizer), so a
+    skipped step marks nothing."""
+    import torch
+
+    from megatron.ciera import fsdp2
+
+    class Wrapper:  # Megatron's optimizer: steps its torch optimizer unless the gradients overflowed
+        def __init__(self):
+            self.optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+            self.overflow = False
+
+        def step(self):
+            if not self.overflow:
+                self.optimizer.step()
+
+    dense, expert = Wrapper(), Wrapper()
+    fired = []
+    handle = fsdp2._InnerSteps(type("Chained", (), {"chained_optimizers": [dense, expert]})()).register_step_post_hook(
+        lambda *_: fired.append(1))
+    dense.step(), expert.step()
+    assert len(fired) == 2
+    dense.overflow = expert.overflow = True
+    dense.step(), expert.step()
+    assert len(fired) == 2, "a skipped step must not mark the shards changed"
+    handle.remove()
+    dense.overflow = False
+    dense.step()
+    assert len(fired) == 2
+    assert fsdp2._InnerSteps(dense).optimizers == [dense.optimizer]  # not chained
