@@ -161,11 +161,11 @@ def _installed_source(method: UpstreamMethod) -> str:
 
 
 @functools.cache
-def installed_digests() -> Mapping[str, str]:
-    """:func:`source_digest` of every :data:`UPSTREAM_METHODS` entry as installed (a method the
-    installed megatron-core lacks reads as ``missing``)."""
+def installed_digests(methods: tuple[UpstreamMethod, ...] = UPSTREAM_METHODS) -> Mapping[str, str]:
+    """:func:`source_digest` of each of ``methods`` as installed (a method the installed
+    megatron-core lacks reads as ``missing``)."""
     out = {}
-    for method in UPSTREAM_METHODS:
+    for method in methods:
         try:
             out[method.name] = source_digest(_installed_source(method))
         except (ImportError, AttributeError, OSError, TypeError):
@@ -173,14 +173,16 @@ def installed_digests() -> Mapping[str, str]:
     return MappingProxyType(out)
 
 
-def upstream_changes(*, digests: Mapping[str, str] | None = None,
-                     known: Mapping[str, Mapping[str, str]] = KNOWN_SOURCES) -> list[str]:
-    """One line per method of :data:`UPSTREAM_METHODS` whose source (``digests``, default: the
-    installed one) matches that method in none of the ``known`` versions, saying what to
-    re-check. Empty: every method is one this module was checked against."""
-    digests = installed_digests() if digests is None else digests
+def upstream_changes(*, methods: tuple[UpstreamMethod, ...] = UPSTREAM_METHODS,
+                     known: Mapping[str, Mapping[str, str]] = KNOWN_SOURCES,
+                     digests: Mapping[str, str] | None = None) -> list[str]:
+    """One line per method of ``methods`` whose source (``digests``, default: the installed one)
+    matches that method in none of the ``known`` versions, saying what to re-check. Empty: every
+    method is one that was checked. Any other patch of megatron-core passes its own ``methods``
+    and ``known`` table."""
+    digests = installed_digests(methods) if digests is None else digests
     lines = []
-    for method in UPSTREAM_METHODS:
+    for method in methods:
         seen = [v for v, table in known.items() if table.get(method.name) == digests.get(method.name)]
         if not seen:
             lines.append(f"{method.name} (digest {digests.get(method.name)}) matches no checked version "
@@ -191,7 +193,7 @@ def upstream_changes(*, digests: Mapping[str, str] | None = None,
 def check_upstream(*, digests: Mapping[str, str] | None = None,
                    known: Mapping[str, Mapping[str, str]] = KNOWN_SOURCES) -> None:
     """The version gate: raise ``RuntimeError`` naming every changed method (:func:`upstream_changes`)."""
-    changes = upstream_changes(digests=digests, known=known)
+    changes = upstream_changes(known=known, digests=digests)
     if changes:
         raise RuntimeError(
             f"CIERA all-gather: megatron-core {installed_version()} changed methods the binding patches or "
