@@ -362,9 +362,100 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None, *, de
             model.optimizer_config(args)
         except Exception as exc:  # noqa: BLE001 - any failure of the config's own checks is reported
             err(f"megatron-core rejects this configuration: {type(exc).__name__}: {exc}")
+        else:
+            _check_optimizer_ranges(args, err)
     if errors:
         raise ValueError("invalid arguments:\n  " + "\n  ".join(errors))
     return args
+
+
+def _inert_ciera_flags(args) -> list[str]:
+    """The ``--ciera-*`` flags given on the command line that configure the compressed gather
+    (those that change :func:`ciera_config_from_args`'s config), e.g. ``--ciera-codec delta``."""
+    import copy
+
+    out = []
+    for dest in sorted(d for d in args.explicit if d.startswith("ciera_") and d != "ciera_allgather"):
+        on = copy.copy(args)
+        on.ciera_allgather = True
+        off = copy.copy(on)
+        setattr(off, dest, None)
+        try:
+            if ciera_config_from_args(on) != ciera_config_from_args(off):
+                out.append(f"{_option(dest)} {getattr(args, dest)}")
+        except ValueError:  # an invalid value: reported only where it is used
+            out.append(f"{_option(dest)} {getattr(args, dest)}")
+    return out
+
+
+def _optimizer_rejects(config) -> str | None:
+    """What the torch optimizer megatron-core builds from ``config`` says of its values (its own
+    range checks: learning rate, betas, epsilon, weight decay, momentum), ``None`` if nothing.
+    megatron-core's own builder runs on a one-element parameter; only its ``ValueError`` (torch's
+    checks) counts: what follows the construction needs a device and is not a range."""
+    import torch
+    from megatron.core.optimizer import _get_megatron_optimizer_based_on_param_groups as build
+
+    try:
+        build(config, model_chunks=[], param_groups=[{"params": [torch.nn.Parameter(torch.zeros(1))]}])
+    except ValueError as exc:
+        return str(exc)
+    except Exception:  # noqa: BLE001 - past the optimizer's construction (the checks passed)
+        return None
+    return None
+
+
+def _scheduler_rejects(args) -> tuple[str, list[str]] | None:
+    """The assertion megatron-core's OptimizerParamScheduler fails for this run's schedule, with
+    the flags it reads (``(assertion, flags)``), ``None`` if it passes. The kwarg -> flag table
+    is read from :func:`megatron.ciera.model.scheduler`'s own source (``kwarg=args.dest``)."""
+    import inspect
+    import re
+    import traceback
+    import types
+
+    from . import model
+
+    try:  # a stand-in optimizer: the scheduler only sets its groups' lr and weight decay
+        model.scheduler(args, types.SimpleNamespace(param_groups=[{}]))
+    except AssertionError as exc:
+        line = (traceback.extract_tb(exc.__traceback__)[-1].line or "").strip()
+        table = dict(re.findall(r"(\w+)=args\.(\w+)", inspect.getsource(model.scheduler)))
+        names = re.findall(r"self\.(\w+)", line)
+        return line.removeprefix("assert ").split(",")[0].replace("self.", ""), [_option(table[n]) for n in names if n in table]
+    return None
+
+
+def _check_optimizer_ranges(args, err) -> None:
+    """Up front, on every rank, the ranges upstream states for the optimizer and the schedule,
+    each error naming its flag: the optimizer's (torch's checks on megatron-core's own
+    OptimizerConfig -> optimizer kwargs; a field that differs from the dataclass default and,
+    set alone, is rejected is named) and the scheduler's (its assertions)."""
+    import dataclasses
+
+    from megatron.core.optimizer import OptimizerConfig
+
+    from . import model
+
+    config = dataclasses.replace(model.optimizer_config(args), use_distributed_optimizer=False, fp16=False,
+                                 bf16=False, optimizer_cpu_offload=False, use_precision_aware_optimizer=False)
+    problem = _optimizer_rejects(config)
+    if problem is not None:
+        defaults = {f.name: f.default for f in dataclasses.fields(OptimizerConfig)
+                    if f.default is not dataclasses.MISSING and isinstance(f.default, (int, float))
+                    and not isinstance(f.default, bool)}
+        culprits = [name for name, default in defaults.items() if getattr(config, name) != default
+                    and _optimizer_rejects(dataclasses.replace(config, **{name: default})) is None]
+        if not culprits and config.lr is not None:  # lr has no default: rejected when nothing else is
+            culprits = ["lr"]
+        flags = ", ".join(f"{_option(n)} {getattr(config, n)}" for n in culprits) or "the optimizer flags"
+        err(f"{flags}: out of range ({config.optimizer} optimizer: {problem})")
+        return
+    rejected = _scheduler_rejects(args)
+    if rejected is not None:
+        condition, flags = rejected
+        values = ", ".join(f"{f} {getattr(args, f.lstrip('-').replace('-', '_'), '?')}" for f in dict.fromkeys(flags))
+        err(f"{values or 'the learning-rate schedule'}: megatron-core's OptimizerParamScheduler requires {condition}")
 
 
 def _check_local_context_parallel(args, err) -> None:

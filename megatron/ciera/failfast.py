@@ -185,6 +185,61 @@ def exit_on_error(exc: BaseException, *, watchdog: "Watchdog | None" = None) -> 
 
 
 # ---------------------------------------------------------------------------------------------
+# a failed save, explained
+
+# How a full disk shows through the writers: the OS's errno, or torch's zip writer noticing that a
+# write came up short ("unexpected pos", with the errno lost).
+_DISK_FULL_SIGNS = ("No space left on device", "unexpected pos", "Disk quota exceeded")
+_LOW_SPACE_BYTES = 64 << 20
+
+
+def disk_full_message(exc: BaseException, path: str) -> str | None:
+    """One line naming ``path`` and the bytes free there if ``exc`` (or an exception it was
+    raised from) is a full disk: ``ENOSPC`` / ``EDQUOT``, or a writer error while the file system
+    holding ``path`` has under 64 MiB left. ``None`` otherwise."""
+    import errno
+    import shutil
+
+    chain, seen = [], exc
+    while seen is not None and len(chain) < 20:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    errnos = {getattr(e, "errno", None) for e in chain}
+    signs = any(sign in str(e) for e in chain for sign in _DISK_FULL_SIGNS)
+    probe = path
+    while probe and not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    try:
+        free = shutil.disk_usage(probe or ".").free
+    except OSError:
+        free = None
+    if not (errnos & {errno.ENOSPC, errno.EDQUOT} or (signs and free is not None and free < _LOW_SPACE_BYTES)):
+        return None
+    left = f"{free} bytes free" if free is not None else "free space unknown"
+    return (f"saving a checkpoint under {path} failed: the disk is full ({left} on {probe}); the previous "
+            f"checkpoint is intact. Free space there or choose another --save ({type(exc).__name__}: "
+            f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''})")
+
+
+class explain_save_errors:
+    """Context manager around a checkpoint save: a full disk becomes one ``SystemExit`` line
+    (:func:`disk_full_message`); anything else passes unchanged."""
+
+    def __init__(self, path: str | None):
+        self.path = path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if exc is not None and self.path and isinstance(exc, Exception):
+            message = disk_full_message(exc, self.path)
+            if message is not None:
+                raise SystemExit(message) from exc
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
 # fault injection (tests)
 
 @dataclass(frozen=True)

@@ -190,6 +190,9 @@ def _save_snapshot(model, args, iteration):
 def _report_cpu_ignored(args) -> None:
     if args.cpu_ignored:
         _print0(f"CPU run: GPU-only choices not applied (the local/unfused path runs): {', '.join(args.cpu_ignored)}")
+    if getattr(args, "ciera_inert", None):
+        _print0(f"note: {', '.join(args.ciera_inert)}: no effect without --ciera-allgather (Megatron's own "
+                "parameter all-gather runs)")
 
 
 def _device(args) -> str:
@@ -208,7 +211,15 @@ def _install_ciera(args, model, optimizer, opt_config):
 
 def _load_checkpoint(args, model, optimizer, scheduler) -> int:
     """Step 5: the checkpoint (if any); CIERA keeps no checkpoint state, its caches are dropped."""
-    start_iter = checkpointing.load(args, model=model, optimizer=optimizer, scheduler=scheduler)
+    try:
+        start_iter = checkpointing.load(args, model=model, optimizer=optimizer, scheduler=scheduler)
+    except AssertionError as exc:  # upstream's scheduler: this run's schedule differs from the checkpoint's
+        if "OptimizerParamScheduler" not in str(exc):
+            raise
+        raise SystemExit(f"--load {args.load}: {exc} (this run's learning-rate / weight-decay schedule differs from "
+                         "the checkpoint's, e.g. a larger --train-iters): pass --override-opt_param-scheduler to "
+                         "use this run's schedule, or --use-checkpoint-opt_param-scheduler to keep the "
+                         "checkpoint's") from exc
     if args.load:
         _binding(args).invalidate_param_caches(model)  # the first gather after a load is raw
     return start_iter
@@ -362,7 +373,7 @@ def _evaluate(run: _Run, *, split: str, index: int, prefix: str) -> None:
 def _save(run: _Run) -> None:
     _sync_params(run.model, run.args)
     doomed = run.faults is not None and run.faults.fires("kill-writer", rank=dist.get_rank(), iteration=run.iteration)
-    with failfast.kill_forked_children(doomed):
+    with failfast.kill_forked_children(doomed), failfast.explain_save_errors(run.args.save):
         checkpointing.save(run.args, iteration=run.iteration, model=run.model, optimizer=run.optimizer,
                            scheduler=run.scheduler, flops_so_far=run.iteration * run.flops_per_iteration,
                            queue=run.async_saves)
@@ -382,7 +393,8 @@ def _train_loop(run: _Run) -> bool:
     while run.iteration < args.train_iters:
         grad_norm, num_zeros = _train_step(run, batches)
         failfast.inject_after_step(run.faults, rank=dist.get_rank(), iteration=run.iteration)
-        checkpointing.finalize_async_saves(run.async_saves, blocking=False)
+        with failfast.explain_save_errors(args.save):
+            checkpointing.finalize_async_saves(run.async_saves, blocking=False)
         it = run.iteration
         exiting = bool(args.exit_interval) and it % args.exit_interval == 0
         if it % args.log_interval == 0 or it == args.train_iters or exiting:  # no iteration left unlogged
@@ -430,7 +442,8 @@ def train(args, *, watchdogs: list | None = None) -> str:
     _sync_params(model, args)
     if args.save and (not args.save_interval or run.iteration % args.save_interval != 0):
         _save(run)
-    checkpointing.finalize_async_saves(run.async_saves, blocking=True)
+    with failfast.explain_save_errors(args.save):
+        checkpointing.finalize_async_saves(run.async_saves, blocking=True)
     if completed:  # as Megatron-LM: the valid and the test split once more at the end
         it = run.iteration
         _evaluate(run, split="valid", index=evaluation.eval_index(it + (args.eval_interval or 0), args.eval_interval),

@@ -1,0 +1,71 @@
+"""The small fail-fast pieces in one process: optimizer and schedule ranges refused up front by
+flag, inert --ciera-* flags named, a full disk named with its free bytes, the fault switch."""
+
+import errno
+import shutil
+
+import pytest
+
+from megatron.ciera import failfast
+
+from test_mc_arguments import error, parse
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--lr=-1e-4"], "--lr -0.0001: out of range (adam optimizer: Invalid learning rate: -0.0001)"),
+    (["--adam-beta1", "1.5"], "--adam-beta1 1.5: out of range (adam optimizer: Invalid beta parameter at index 0"),
+    (["--adam-beta2", "-0.1"], "--adam-beta2 -0.1: out of range"),
+    (["--adam-eps", "-1"], "--adam-eps -1.0: out of range (adam optimizer: Invalid epsilon value"),
+    (["--weight-decay", "-0.1"], "--weight-decay -0.1: out of range (adam optimizer: Invalid weight_decay value"),
+    (["--optimizer", "sgd", "--sgd-momentum", "-1"], "--sgd-momentum -1.0: out of range (sgd optimizer"),
+    (["--min-lr", "-1"], "--min-lr -1.0: megatron-core's OptimizerParamScheduler requires min_lr >= 0.0"),
+    (["--min-lr", "1e-3"], "--lr 0.0001, --min-lr 0.001: megatron-core's OptimizerParamScheduler requires max_lr >= min_lr"),
+])
+def test_out_of_range_hyperparameters_are_refused_by_flag(extra, needle):
+    assert needle in error(extra)
+
+
+def test_in_range_hyperparameters_pass():
+    parse(["--adam-beta1", "0", "--weight-decay", "0", "--min-lr", "1e-5", "--optimizer", "sgd", "--sgd-momentum", "0"])
+
+
+def test_ciera_flags_without_ciera_allgather_are_named():
+    args = parse(["--ciera-selection", "always", "--ciera-codec", "delta", "--ciera-loss-log", "x"])
+    assert args.ciera_inert == ["--ciera-codec delta", "--ciera-selection always"]  # not --ciera-loss-log
+    assert parse(["--ciera-allgather", "--ciera-codec", "delta"]).ciera_inert == []
+    assert parse([]).ciera_inert == []
+
+
+class _Usage:
+    def __init__(self, free):
+        self.total, self.used, self.free = 10 * free + 1, 9 * free, free
+
+
+def test_a_full_disk_is_named_with_its_free_bytes(tmp_path, monkeypatch):
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: _Usage(4096))
+    worker = RuntimeError("Worker failure: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    message = failfast.disk_full_message(worker, str(tmp_path / "ckpt"))
+    assert message.startswith(f"saving a checkpoint under {tmp_path / 'ckpt'} failed: the disk is full "
+                              f"(4096 bytes free on {tmp_path})"), message
+    with pytest.raises(SystemExit) as info, failfast.explain_save_errors(str(tmp_path)):
+        raise RuntimeError("write failed") from OSError(errno.ENOSPC, "No space left on device")
+    assert "the disk is full (4096 bytes free" in str(info.value.code)
+    with pytest.raises(KeyError), failfast.explain_save_errors(str(tmp_path)):
+        raise KeyError("unrelated")  # passes unchanged
+
+
+def test_a_writer_error_with_space_left_is_not_called_a_full_disk(tmp_path, monkeypatch):
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: _Usage(10 << 30))
+    worker = RuntimeError("Worker failure: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    assert failfast.disk_full_message(worker, str(tmp_path)) is None
+
+
+def test_fault_switch():
+    assert failfast.FaultPlan.from_env({}) is None
+    plan = failfast.FaultPlan.from_env({failfast.FAULT_ENV: "raise:1:3"})
+    assert plan.fires("raise", rank=1, iteration=3) and not plan.fires("raise", rank=0, iteration=3)
+    with pytest.raises(RuntimeError, match="fault injected on rank 1 after iteration 3"):
+        failfast.inject_after_step(plan, rank=1, iteration=3)
+    failfast.inject_after_step(plan, rank=1, iteration=4)
+    with pytest.raises(SystemExit, match="expected KIND:RANK:ITERATION"):
+        failfast.FaultPlan.from_env({failfast.FAULT_ENV: "explode:1"})
