@@ -112,6 +112,14 @@ def test_fsdp2_four_ranks_longer_run():
 
 
 @pytest.mark.slow
+def test_fsdp2_with_tensor_parallelism_four_ranks():
+    """TP 2 x FSDP2 over DP 2 (upstream allows it; the MoE needs sequence parallelism)."""
+    flags = ("--tensor-model-parallel-size", "2", "--sequence-parallel")
+    base, result = run(*flags, nproc=4), run(*flags, *ciera("always", "exponents", "exponent_reuse"), nproc=4)
+    assert_bit_identical_and_zero3(base, result, micro=2)
+
+
+@pytest.mark.slow
 def test_fsdp2_fp16_skipped_steps_encode_nothing():
     """fp16 from a loss scale that overflows the first steps: Megatron's optimizer skips them, the
     parameters stay, and the next iteration's gathers replay (no encode); each step that does update
