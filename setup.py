@@ -69,6 +69,7 @@ setup(
         "megatron-core>=0.16.1",
         "numpy",
         "psutil",  # megatron-core's dist_checkpointing writer needs it
+        "einops",  # megatron-core's Megatron-FSDP (--use-megatron-fsdp) builds its device meshes with it
     ],
     extras_require={
         # The CPU build that lies on the development machines' disk; GPU users skip this extra.

@@ -320,6 +320,10 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None, *, de
         from .fsdp2 import check_args
 
         check_args(args, err)
+    if args.use_megatron_fsdp:
+        from .megatron_fsdp import check_args as check_megatron_fsdp_args
+
+        check_megatron_fsdp_args(args, err)
     # --ciera-codec etc. without --ciera-allgather are inert (launch scripts pass the same tuning
     # flags to the baseline and the CIERA run, so that --ciera-allgather is the only difference).
     if (args.ciera_snapshot_dir is None) != (args.ciera_snapshot_interval is None):

@@ -6,7 +6,8 @@ pinned host staging tensors, a type check that wants ``torch.cuda.*Tensor`` name
 and events around the collectives, the CUDA RNG state in the tensor-parallel RNG tracker, two collectives gloo
 lacks (uneven list ``all_gather``, list ``reduce_scatter``: MoE token exchange under TP), and the
 pipeline's early free of sent activations, which relies on CUDA's stream-ordered allocator, and the
-FSDP2 wrapper's ``"cuda"`` device mesh.
+FSDP2 wrapper's ``"cuda"`` device mesh; Megatron-FSDP's device meshes, its
+``f"cuda:{torch.cuda.current_device()}"`` device and its NCCL-only ``PREMUL_SUM`` gradient reduction.
 :func:`enable` redirects exactly those to the CPU so that DDP + the distributed optimizer +
 GPTModel (local spec) run on gloo ranks; nothing else is changed.
 
@@ -54,6 +55,8 @@ class _CpuDeviceMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.device and args == ("cuda:cpu",):  # f"cuda:{torch.cuda.current_device()}"
+            return torch.device("cpu")
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = _CUDA_TYPE_NAMES.get(args[0].dtype)
             if name is not None:
@@ -167,6 +170,19 @@ def _keep_sent_output(out, deallocate_pipeline_outputs=False):
     out._ciera_sent_storage = sent
 
 
+def _reduce_preprocessing_without_premul(original):
+    """Megatron-FSDP's ``gradient_reduce_preprocessing`` without NCCL's ``PREMUL_SUM`` (gloo lacks
+    it): the gradient is scaled in place and summed, the path upstream itself takes for bf16."""
+
+    def gradient_reduce_preprocessing(grad_data, scaling_factor, ddp_config):
+        if scaling_factor is not None and not ddp_config.average_in_collective:
+            grad_data.mul_(scaling_factor)
+            return torch.distributed.ReduceOp.SUM
+        return original(grad_data, scaling_factor, ddp_config)
+
+    return gradient_reduce_preprocessing
+
+
 class _CpuDeviceMesh:
     """``DeviceMesh`` as megatron-core's FSDP2 wrapper sees it: ``from_group(group, "cuda")``
     builds the mesh on the CPU (gloo); everything else is torch's ``DeviceMesh``."""
@@ -181,6 +197,8 @@ class _CpuDeviceMesh:
 def _patches() -> list[tuple[object, str, object]]:
     """(owner, attribute, replacement) for everything replaced while active."""
     from megatron.core.distributed import torch_fully_sharded_data_parallel as torch_fsdp2
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter as megatron_fsdp_adapter
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as fsdp_buffer
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
@@ -219,6 +237,9 @@ def _patches() -> list[tuple[object, str, object]]:
         (torch.distributed, "reduce_scatter", _list_reduce_scatter),
         (schedules, "deallocate_output_tensor", _keep_sent_output),
         (torch_fsdp2, "DeviceMesh", _CpuDeviceMesh),  # --use-torch-fsdp2: a CPU mesh
+        (megatron_fsdp_adapter, "DeviceMesh", _CpuDeviceMesh),  # --use-megatron-fsdp: a CPU mesh
+        (fsdp_buffer, "gradient_reduce_preprocessing",
+         _reduce_preprocessing_without_premul(fsdp_buffer.gradient_reduce_preprocessing)),
     ]
     return patches
 

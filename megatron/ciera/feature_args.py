@@ -124,7 +124,8 @@ def feature_dests() -> frozenset:
 
 def validate_checkpoint_eval_data_logging_args(args: argparse.Namespace, err: Callable[[str], None]) -> None:
     """Report every invalid combination of the flags above through ``err`` (messages name the flags)."""
-    if args.ckpt_format not in ("torch_dist", "torch"):
+    megatron_fsdp = args.ckpt_format == "fsdp_dtensor" and getattr(args, "use_megatron_fsdp", False)
+    if args.ckpt_format not in ("torch_dist", "torch") and not megatron_fsdp:  # (its checks: megatron_fsdp.py)
         err(f"--ckpt-format {args.ckpt_format}: this entry point writes and reads torch_dist (megatron-core "
             "dist_checkpointing) and torch (legacy per-rank files) checkpoints; convert others with "
             "Megatron-LM's tools/checkpoint")

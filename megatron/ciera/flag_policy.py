@@ -69,6 +69,7 @@ _HONOURED = {
     "ddp_reduce_scatter_with_fp32_accumulation", "num_distributed_optimizer_instances",
     "rope_type", "moe_latent_size", "local_rank", "accumulate_allreduce_grads_in_fp32", "grad_reduce_in_bf16",
     "use_torch_fsdp2", "torch_fsdp2_reshard_after_forward",  # megatron.ciera.fsdp2
+    "use_megatron_fsdp",  # megatron.ciera.megatron_fsdp
 }
 
 # Kernel / fusion / backend choices: honoured on GPU, the plain path on CPU.
@@ -92,8 +93,6 @@ _REJECTED = {
     "rampup_batch_size": "batch-size ramp-up is not implemented (give a fixed --global-batch-size)",
     "use_legacy_models": "only Megatron-Core models are built",
     "yaml_cfg": "YAML configs are not read; give the flags",
-    "use_megatron_fsdp": "Megatron-FSDP is not bound yet; --use-torch-fsdp2 is",
-    "use_custom_fsdp": "Megatron-FSDP is not bound yet; --use-torch-fsdp2 is",
     "heterogeneous_layers_config_path": "heterogeneous layer configs are not built",
     "is_hybrid_model": "hybrid (Mamba) models are not built",
     "fp4": "FP4 training is not supported",

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from . import bucket_group
 from . import fsdp2 as fsdp2_binding
+from . import megatron_fsdp
 from . import checkpointing, data, evaluation, failfast, logging_utils, parallel, timers, upstream_notices
 from . import model as model_lib
 from .arguments import ciera_config_from_args, parse_args
@@ -77,13 +78,15 @@ def build_model_and_optimizer(args, vocab_size: int):
         chunks = [Float16Module(config, chunk) for chunk in chunks]
     if args.use_torch_fsdp2:
         model = fsdp2_binding.wrap(chunks, config=config, args=args)
+    elif args.use_megatron_fsdp:
+        model = megatron_fsdp.wrap(chunks, config=config, args=args)
     else:
         # Only the first chunk buckets its gradients (as Megatron-LM: with several virtual stages
         # the others communicate as one bucket each).
         ddp_config = model_lib.ddp_config(args)
         model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
                  for i, chunk in enumerate(chunks)]
-    for chunk in model:
+    for chunk in model if not args.use_megatron_fsdp else ():  # (its shards: equal seeds made them equal)
         chunk.broadcast_params()
 
     opt_config = model_lib.optimizer_config(args)
@@ -156,7 +159,8 @@ def params_sha256(model) -> str:
             for name, p in _unwrapped(chunk).named_parameters():
                 if (getattr(p, "allreduce", True)) == (kind == "dense"):
                     h.update(f"{i}.{name}".encode())
-                    full = p.full_tensor() if hasattr(p, "full_tensor") else p  # FSDP2: a collective
+                    full = megatron_fsdp.full_tensor(p)  # Megatron-FSDP's DTensors: a collective
+                    full = full.full_tensor() if hasattr(full, "full_tensor") else full  # FSDP2: a collective
                     h.update(full.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
         digests[kind] = h.hexdigest()
     dense_key, expert_key = _replica_keys()

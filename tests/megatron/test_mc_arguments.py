@@ -108,7 +108,7 @@ def test_ciera_tuning_flags_without_ciera_allgather_are_inert():
     (["--rampup-batch-size", "16", "16", "100"], 1, "--rampup-batch-size: batch-size ramp-up is not implemented"),
     (["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"], 1,
      "--use-torch-fsdp2 is not supported with MCore's distributed optimizer"),
-    (["--use-megatron-fsdp"], 1, "--use-megatron-fsdp: Megatron-FSDP is not bound yet; --use-torch-fsdp2 is"),
+    (["--use-megatron-fsdp"], 1, "--use-megatron-fsdp with --ckpt-format torch_dist: Megatron FSDP only supports"),
     (["--no-save-optim", "--yaml-cfg", "x.yaml"], 1, "--yaml-cfg: YAML configs are not read"),
     (["--relative-attention-num-buckets", "16"], 1, "--relative-attention-num-buckets: not implemented by this pretrain_gpt.py"),
     (["--distributed-timeout-minutes", "0"], 1, "--distributed-timeout-minutes 0 must be > 0"),
