@@ -15,7 +15,9 @@ the only host read of a compressed gather. From the same table every rank derive
 * ranks propose different codecs: an error on every rank (it would be a bug in selection);
 * the largest payload is not smaller than the shard: raw (a shard that would not shrink travels
   as a plain all-gather inside the same protocol: no extra round, no decode);
-* otherwise compressed, every rank sending exactly ``align_up(max payload)`` bytes.
+* otherwise compressed: every rank sends its own payload, 16-aligned, when those sizes save at
+  least :data:`UNEVEN_MIN_SAVING` of the bytes of an equal-size gather (:attr:`Plan.sizes`,
+  :func:`ciera.comm.all_gather_uneven`); else every rank sends exactly ``align_up(max payload)``.
 
 This module holds the rule and the one collective; the gather's own steps (propose, apply the plan,
 launch, decode) are :class:`ciera.gather.CieraAllGather`'s public methods.
@@ -30,6 +32,11 @@ import torch
 
 from .codecs.base import align_up
 from .comm import all_gather_into
+
+UNEVEN_MIN_SAVING = 0.015
+"""Per-rank sizes are sent when they save at least this fraction of ``world x largest``: below it
+the equal-size all-gather (one collective, the backend's tuned path) is as good; at or above it the
+wire stays within 1.5% of the sum of the payloads."""
 
 FLAG_RAW = 0
 """Proposal word: this rank sends raw (no payload encoded)."""
@@ -68,6 +75,9 @@ class Plan:
     replay: bool = False
     """Every rank's shard is unchanged since its last gather: the previous plan is repeated with the
     same payloads (a gather whose buffer persists needs no collective at all)."""
+    sizes: tuple[int, ...] = ()
+    """When compressed with per-rank sizes: the bytes each rank sends (its payload, 16-aligned), in
+    rank order; empty when every rank sends ``size``."""
 
 
 RAW_PLAN = Plan(raw=True)
@@ -95,10 +105,13 @@ def plan_from_table(column: Sequence[tuple[int, int]], *, codec_names: dict[int,
     if proposals[0] not in codec_names:
         raise RuntimeError(f"{name}: agreed codec id {proposals[0]} is not one of {codec_names}")
     needed = [n for _, n in column]
-    size = align_up(max(needed))
+    aligned = [align_up(n) for n in needed]
+    size = max(aligned)
     if size >= shard_bytes:
         return RAW_PLAN
-    return Plan(raw=False, codec_name=codec_names[proposals[0]], size=size, payload_bytes=sum(needed))
+    uneven = sum(aligned) <= (1.0 - UNEVEN_MIN_SAVING) * len(aligned) * size
+    return Plan(raw=False, codec_name=codec_names[proposals[0]], size=size, payload_bytes=sum(needed),
+                sizes=tuple(aligned) if uneven else ())
 
 
 def exchange(proposals: Sequence[Proposal], *, group, world: int, device) -> list[list[tuple[int, int]]]:

@@ -16,8 +16,9 @@ One gather walks four phases (:class:`Phase`), each step a public method:
 2. **Agree** (:mod:`ciera.agreement`): one small all-gather per process group, covering every
    bucket prepared together, carries every rank's proposal; the host reads that table once and
    every rank derives the same :class:`~ciera.agreement.Plan` (:meth:`CieraAllGather.apply`).
-3. **Launch** (:meth:`CieraAllGather.start`): one collective of exactly ``size`` bytes per rank (or
-   the plain one; none for a replay of a persistent buffer).
+3. **Launch** (:meth:`CieraAllGather.start`): one collective of the payloads at their agreed sizes
+   (each rank's own, or all at the largest; see :mod:`ciera.agreement`), or the plain one; none
+   for a replay of a persistent buffer.
 4. **Decode** (``handle.wait()``): one :meth:`ciera.codecs.Codec.decode_many` call decodes the
    ``world - 1`` received payloads in place; their rows and offsets were written on the device at
    step 2.
@@ -50,7 +51,7 @@ from .agreement import FLAG_FAILED, FLAG_RAW, FLAG_REPLAY, RAW_PLAN, Plan, Propo
 from .codecs import HEADER_BYTES, Codec, PayloadHeader, make_codec
 from .codecs.base import align_up
 from .codecs.formats import FORMATS, as_bits, float_format
-from .comm import all_gather_into
+from .comm import all_gather_into, all_gather_uneven
 from .config import CieraConfig
 from .selection import Measurements, Selector
 from .stats import GatherStats, SectionTimer
@@ -189,6 +190,7 @@ class CieraAllGather:
         self._recv = torch.empty(0, dtype=torch.uint8, device=dev)
         self._rows = torch.tensor([r for r in range(self.world) if r != self.rank], dtype=torch.int64, device=dev)
         self._offsets = torch.empty_like(self._rows)
+        self._offsets_host = torch.empty(self._rows.numel(), dtype=torch.int64)  # per-rank offsets, staged
         self._needed = torch.zeros((), dtype=torch.int64, device=dev)  # this rank's payload size
         decides = config.selection == "auto" or len(self._codecs) > 1
         self.selector = None
@@ -280,10 +282,17 @@ class CieraAllGather:
         elif mode != plan.codec_name:  # cannot happen: the plan is compressed only if every rank encoded it
             raise RuntimeError(f"{self.name}: agreed codec {plan.codec_name} but rank {self.rank} proposed {mode}")
         if not plan.raw and not (plan.replay and self.persistent):
-            need = self.world * plan.size
+            need = self._recv_bytes(plan)
             if self._recv.numel() < need:  # grows at agreements only, with 1/8 slack against regrowth
                 self._recv = torch.empty(align_up(need + need // 8), dtype=torch.uint8, device=self.buffer.device)
-            torch.mul(self._rows, plan.size, out=self._offsets)
+            if plan.sizes:  # the other ranks' payloads at their exclusive prefix sums
+                starts = [0]
+                for b in plan.sizes[:-1]:
+                    starts.append(starts[-1] + b)
+                self._offsets_host.numpy()[:] = [starts[r] for r in range(self.world) if r != self.rank]
+                self._offsets.copy_(self._offsets_host)  # at the agreement, whose table read synced already
+            else:
+                torch.mul(self._rows, plan.size, out=self._offsets)
         if not plan.replay:
             self._last_plan = plan
         self._plan = plan
@@ -304,6 +313,9 @@ class CieraAllGather:
             launched = time.perf_counter()
             if plan.raw:
                 work = all_gather_into(self.buffer, self._shard, group=self.group, async_op=True)
+            elif plan.sizes:
+                work = all_gather_uneven(self._recv[: self._recv_bytes(plan)], self._send[: plan.sizes[self.rank]],
+                                         sizes=plan.sizes, group=self.group)
             else:
                 work = all_gather_into(self._recv[: self.world * plan.size], self._send[: plan.size],
                                        group=self.group, async_op=True)
@@ -508,7 +520,7 @@ class CieraAllGather:
             else:
                 codec = self._codecs[plan.codec_name]
                 token = self._decode_timer.start()
-                codec.decode_many(payloads=self._recv[: self.world * plan.size], rows=self._rows,
+                codec.decode_many(payloads=self._recv[: self._recv_bytes(plan)], rows=self._rows,
                                   offsets=self._offsets, targets=self._shards)
                 self._decode_timer.stop(token)
             self._account(plan, wire=self._wire_bytes(plan))
@@ -524,7 +536,11 @@ class CieraAllGather:
         """Bytes the plan delivers to this rank (a replay of a persistent buffer: none)."""
         if self.world == 1 or (plan.replay and self.persistent):
             return 0 if plan.replay else self._raw_bucket_bytes()
-        return self._raw_bucket_bytes() if plan.raw else self.world * plan.size
+        return self._raw_bucket_bytes() if plan.raw else self._recv_bytes(plan)
+
+    def _recv_bytes(self, plan: Plan) -> int:
+        """Bytes a compressed plan's collective delivers: every rank's payload, own included."""
+        return sum(plan.sizes) if plan.sizes else self.world * plan.size
 
     def _raw_bucket_bytes(self) -> int:
         return self._raw_bytes

@@ -187,7 +187,7 @@ def _stats_worker(rank, world):
             assert plan.size == -(-max(int(t) for t in everyone) // 16) * 16
             assert plan.payload_bytes == sum(int(t) for t in everyone)
         gather.start().wait()
-        expected += buf.numel() * 2 if plan.raw else world * plan.size
+        expected += buf.numel() * 2 if plan.raw else (sum(plan.sizes) if plan.sizes else world * plan.size)
     s = gather.stats
     return s, expected
 

@@ -12,8 +12,16 @@ def plan(column, shard_bytes=4096):
 
 
 def test_exact_size_is_the_largest_payload_aligned():
+    p = plan([(2, 1190), (2, 1201), (2, 1200)])  # per-rank sizes would save under 1.5%
+    assert p == Plan(raw=False, codec_name="delta", size=1216, payload_bytes=3591)
+
+
+def test_per_rank_sizes_when_they_save_enough():
+    from ciera.agreement import UNEVEN_MIN_SAVING
+
     p = plan([(2, 1000), (2, 1201), (2, 990)])
-    assert p == Plan(raw=False, codec_name="delta", size=1216, payload_bytes=3191)
+    assert p == Plan(raw=False, codec_name="delta", size=1216, payload_bytes=3191, sizes=(1008, 1216, 992))
+    assert sum(p.sizes) <= (1 - UNEVEN_MIN_SAVING) * 3 * p.size
 
 
 def test_any_raw_request_or_failure_makes_it_raw_everywhere():
