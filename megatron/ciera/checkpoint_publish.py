@@ -41,6 +41,7 @@ def print0(msg: str) -> None:
 
 
 def iteration_dir(root: str, iteration: int) -> str:
+    """The folder of checkpoint ``iteration`` under ``root`` (``iter_0000010``)."""
     return os.path.join(root, f"iter_{iteration:07d}")
 
 

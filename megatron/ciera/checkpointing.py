@@ -12,7 +12,8 @@ of megatron-core's models), ``optimizer`` (the distributed optimizer ``fully_res
 state, so a checkpoint reshards to any DP / TP / PP / EP layout),
 ``opt_param_scheduler``, ``iteration``, ``checkpoint_version`` 3.0, ``args``, ``rng_state``
 (a ShardedObject over (pp, tp) with DP replicas, as Megatron-LM stores it) and
-``num_floating_point_operations_so_far``. Checkpoints move between this repo and Megatron-LM.
+``num_floating_point_operations_so_far``, assembled by :mod:`megatron.ciera.checkpoint_state`.
+Checkpoints move between this repo and Megatron-LM.
 
 Nothing lost:
 
@@ -49,31 +50,23 @@ CIERA keeps no state in checkpoints: the caller invalidates its caches after :fu
 from __future__ import annotations
 
 import argparse
-import copy
 import os
-import random
 import shutil
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron.ciera import torch_checkpoint
-from megatron.ciera.checkpoint_fixes import (bucket_padding_fix, fit_optimizer_layout, sub_optimizers,
-                                             torch_adam_step_fix)
+from megatron.ciera.checkpoint_fixes import fit_optimizer_layout, torch_adam_step_fix
 from megatron.ciera.checkpoint_publish import (CHECKSUMS, INCOMPLETE, TRACKER, begin, complete_iterations,
                                                iteration_dir, latest_iteration, print0, publish, verify)
+from megatron.ciera.checkpoint_state import (CONTENT_METADATA, common_entries, model_keys, parallel_layout,
+                                             rng_state, set_rng_state, sharded_state_dict, unwrap)
 
 __all__ = ["TRACKER", "CHECKSUMS", "preflight", "save", "write", "async_queue", "finalize_async_saves", "load", "latest_iteration", "iteration_dir",
            "complete_iterations", "verify"]
 
-CHECKPOINT_VERSION = 3.0
-# Optimizer layout: canonical per-parameter state (Megatron-LM's --dist-ckpt-optim-fully-reshardable),
-# loadable at any DP / TP / PP / EP layout. Loading reads the layout from the checkpoint's content
-# metadata, so Megatron-LM's default 'dp_reshardable' checkpoints load too (at a new DP size only).
-_CONTENT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
-                     "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 # Arguments that fix the shapes in a checkpoint: a mismatch is reported by name before loading.
 _SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                "kv_channels", "num_experts", "moe_ffn_hidden_size", "swiglu", "untie_embeddings_and_output_weights",
@@ -141,104 +134,7 @@ def preflight(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# state dicts
-
-def _unwrap(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
-def _rng_state() -> dict:
-    from megatron.core import tensor_parallel
-
-    state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
-             "torch_rng_state": torch.get_rng_state(),
-             "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
-    if torch.cuda.is_available():
-        state["cuda_rng_state"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    from megatron.core import tensor_parallel
-
-    random.setstate(state["random_rng_state"])
-    np.random.set_state(state["np_rng_state"])
-    torch.set_rng_state(state["torch_rng_state"])
-    if "cuda_rng_state" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda_rng_state"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
-
-
-def _sharded_rng_state():
-    """Megatron-LM's layout: one object per (pp, tp) grid point, DP ranks are replicas."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    return ShardedObject("rng_state", [_rng_state()],
-                         (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()),
-                         (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
-                         replica_id=ps.get_data_parallel_rank())
-
-
-def _layout(args) -> tuple[int, int]:
-    return (getattr(args, "pipeline_model_parallel_size", 1) or 1, getattr(args, "tensor_model_parallel_size", 1) or 1)
-
-
-@torch.no_grad()
-def _materialise_optimizer_state(optimizer) -> None:
-    """A fresh torch optimizer has no state yet (no ``step``, no moments), and megatron-core's
-    distributed optimizer cannot describe (hence load) a state it does not have. One step on zero
-    gradients creates it; the parameters are restored bit for bit (weight decay moved them) and
-    the load overwrites the state itself."""
-    for opt in sub_optimizers(optimizer):
-        inner = opt.optimizer
-        if inner.state:
-            continue
-        params = [p for g in inner.param_groups for p in g["params"] if p.numel()]
-        saved = [p.detach().clone() for p in params]
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        inner.step()
-        for p, s in zip(params, saved):
-            p.copy_(s)
-            p.grad = None
-
-
-def _model_keys(model) -> list[tuple[str, object]]:
-    """(state dict key, chunk) as Megatron-LM names them: ``model``, or ``model0``, ``model1``, ...
-    with virtual pipeline stages (``model`` may be one module or the list of chunks)."""
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-    if len(chunks) == 1:
-        return [("model", chunks[0])]
-    return [(f"model{i}", chunk) for i, chunk in enumerate(chunks)]
-
-
-def _sharded_state_dict(model, optimizer, *, metadata: dict, with_optimizer: bool, with_rng: bool,
-                        is_loading: bool) -> dict:
-    state = {key: _unwrap(chunk).sharded_state_dict(metadata=metadata) for key, chunk in _model_keys(model)}
-    model_sd = state["model"] if "model" in state else dict(state)
-    if with_optimizer and is_loading:
-        _materialise_optimizer_state(optimizer)
-    if with_optimizer:
-        with bucket_padding_fix(optimizer):
-            state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
-    if with_rng:
-        state["rng_state"] = _sharded_rng_state()
-    return state
-
-
-# ---------------------------------------------------------------------------------------------
 # save
-
-def _saved_args(args, iteration: int) -> argparse.Namespace:
-    saved = copy.copy(args)
-    saved.iteration = iteration
-    saved.consumed_train_samples = iteration * args.global_batch_size
-    saved.consumed_valid_samples = 0
-    return saved
-
 
 def async_queue(args: argparse.Namespace):
     """megatron-core's queue of asynchronous saves under ``--async-save`` (``None`` without it)."""
@@ -276,10 +172,10 @@ def write(state: dict, *, root: str, iteration: int, queue=None) -> None:
 
     partial = begin(root=root, iteration=iteration)
     if queue is None:
-        dist_checkpointing.save(state, partial, content_metadata=dict(_CONTENT_METADATA))
+        dist_checkpointing.save(state, partial, content_metadata=dict(CONTENT_METADATA))
         publish(root=root, iteration=iteration)
         return
-    request = dist_checkpointing.save(state, partial, content_metadata=dict(_CONTENT_METADATA),
+    request = dist_checkpointing.save(state, partial, content_metadata=dict(CONTENT_METADATA),
                                       async_sharded_save=True)
     request.add_finalize_fn(lambda: publish(root=root, iteration=iteration))  # after megatron-core's metadata.json
     queue.schedule_async_request(request)
@@ -296,29 +192,20 @@ def save(args: argparse.Namespace, *, iteration: int, model, optimizer, schedule
         _save_torch(args, iteration=iteration, model=model, optimizer=optimizer, scheduler=scheduler,
                     flops_so_far=flops_so_far)
         return
-    state = _sharded_state_dict(model, optimizer, metadata=_CONTENT_METADATA, with_optimizer=not args.no_save_optim,
+    state = sharded_state_dict(model, optimizer, metadata=CONTENT_METADATA, with_optimizer=not args.no_save_optim,
                                 with_rng=not args.no_save_rng, is_loading=False)
-    state.update(_common_entries(args, iteration=iteration, scheduler=scheduler, flops_so_far=flops_so_far))
+    state.update(common_entries(args, iteration=iteration, scheduler=scheduler, flops_so_far=flops_so_far))
     write(state, root=args.save, iteration=iteration, queue=queue)
-
-
-def _common_entries(args, *, iteration: int, scheduler, flops_so_far: float) -> dict:
-    """The checkpoint entries besides model, optimizer and RNG, in both formats (Megatron-LM's keys)."""
-    out = dict(iteration=iteration, checkpoint_version=CHECKPOINT_VERSION, args=_saved_args(args, iteration),
-               num_floating_point_operations_so_far=flops_so_far)
-    if not args.no_save_optim:
-        out["opt_param_scheduler"] = scheduler.state_dict()
-    return out
 
 
 def _save_torch(args, *, iteration: int, model, optimizer, scheduler, flops_so_far: float) -> None:
     """``--ckpt-format torch``: per-rank files (:mod:`megatron.ciera.torch_checkpoint`) written into
     ``iter_N.incomplete`` and published as the torch_dist ones are (checksums, rename, tracker)."""
     partial = begin(root=args.save, iteration=iteration)
-    state = _common_entries(args, iteration=iteration, scheduler=scheduler, flops_so_far=flops_so_far)
+    state = common_entries(args, iteration=iteration, scheduler=scheduler, flops_so_far=flops_so_far)
     if not args.no_save_rng:
-        state["rng_state"] = [_rng_state()]  # DP rank 0's, as Megatron-LM without --data-parallel-random-init
-    torch_checkpoint.save(partial, state=state, model_chunks=[(k, _unwrap(c)) for k, c in _model_keys(model)],
+        state["rng_state"] = [rng_state()]  # DP rank 0's, as Megatron-LM without --data-parallel-random-init
+    torch_checkpoint.save(partial, state=state, model_chunks=[(k, unwrap(c)) for k, c in model_keys(model)],
                           optimizer=optimizer, with_optimizer=not args.no_save_optim)
     publish(root=args.save, iteration=iteration)
 
@@ -392,11 +279,11 @@ def load(args: argparse.Namespace, *, model, optimizer, scheduler) -> int:
     metadata = dist_checkpointing.load_content_metadata(plan.folder) or {}
     with_optimizer = not (args.finetune or args.no_load_optim) and "opt_param_scheduler" in common
     with_rng = not (args.finetune or args.no_load_rng)
-    if with_rng and saved_args is not None and _layout(saved_args) != _layout(args):
-        print0(f"note: checkpoint written at (pp, tp) = {_layout(saved_args)}, this run has {_layout(args)}: "
+    if with_rng and saved_args is not None and parallel_layout(saved_args) != parallel_layout(args):
+        print0(f"note: checkpoint written at (pp, tp) = {parallel_layout(saved_args)}, this run has {parallel_layout(args)}: "
                 "RNG state not loaded (as Megatron-LM)")
         with_rng = False
-    request = _sharded_state_dict(model, optimizer, metadata=metadata, with_optimizer=with_optimizer,
+    request = sharded_state_dict(model, optimizer, metadata=metadata, with_optimizer=with_optimizer,
                                   with_rng=with_rng, is_loading=True)
     state = dist_checkpointing.load(request, plan.folder, strict=args.dist_ckpt_strictness)
     if isinstance(state, tuple):  # the 'return_*' strictness modes also return the mismatching keys
@@ -414,8 +301,8 @@ def _restore(args, plan: _LoadPlan, state: dict, *, model, optimizer, scheduler,
     """What both formats do with a loaded ``state``: the model; then the optimizer
     (``load_optimizer()``) and scheduler, or without them the main parameters from the model; the
     RNG (``with_rng``); the log line. Returns the iteration to continue from."""
-    for key, chunk in _model_keys(model):
-        _unwrap(chunk).load_state_dict(state[key], strict=args.dist_ckpt_strictness != "ignore_all")
+    for key, chunk in model_keys(model):
+        unwrap(chunk).load_state_dict(state[key], strict=args.dist_ckpt_strictness != "ignore_all")
     if load_optimizer is not None:
         with torch_adam_step_fix(optimizer):
             load_optimizer()
@@ -423,7 +310,7 @@ def _restore(args, plan: _LoadPlan, state: dict, *, model, optimizer, scheduler,
     else:
         optimizer.reload_model_params()  # main (fp32) parameters from the loaded model
     if with_rng:
-        _set_rng_state(state["rng_state"][0])
+        set_rng_state(state["rng_state"][0])
     iteration = 0 if args.finetune else int(state.get("iteration", plan.iteration))
     print0(f"loaded checkpoint {plan.folder} (iteration {plan.iteration}{note})"
             + ("; --finetune: starting at iteration 0" if args.finetune else ""))

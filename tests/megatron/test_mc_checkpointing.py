@@ -19,7 +19,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from megatron.ciera import checkpoint_fixes, checkpoint_publish, checkpointing
+from megatron.ciera import checkpoint_fixes, checkpoint_publish, checkpoint_state, checkpointing
 from megatron.ciera.launch import run_pretrain
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -494,9 +494,9 @@ def test_virtual_pipeline_chunks_have_megatron_keys():
     """Megatron-LM's state dict names: ``model`` for one chunk, ``model0``, ``model1``, ... with
     virtual pipeline stages (``model`` given as the list of chunks)."""
     a, b = object(), object()
-    assert checkpointing._model_keys(a) == [("model", a)]
-    assert checkpointing._model_keys([a]) == [("model", a)]
-    assert checkpointing._model_keys([a, b]) == [("model0", a), ("model1", b)]
+    assert checkpoint_state.model_keys(a) == [("model", a)]
+    assert checkpoint_state.model_keys([a]) == [("model", a)]
+    assert checkpoint_state.model_keys([a, b]) == [("model0", a), ("model1", b)]
 
 
 # Layout changes (slow): save at one layout, load at another; the full tensors are bit-identical
