@@ -26,7 +26,7 @@ import torch.distributed as dist
 from megatron.ciera import torch_checkpoint
 
 __all__ = ["TRACKER", "CHECKSUMS", "INCOMPLETE", "print0", "iteration_dir", "latest_iteration", "complete_iterations",
-           "begin", "write_checksums", "publish", "verify"]
+           "begin", "remove_interrupted", "write_checksums", "publish", "verify"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKSUMS = "checksums.sha256"
@@ -75,6 +75,17 @@ def begin(*, root: str, iteration: int) -> str:
         os.makedirs(partial)
     dist.barrier()
     return partial
+
+
+def remove_interrupted(root: str) -> None:
+    """Collective: the ``iter_N.incomplete`` folders interrupted saves left under ``root`` are
+    removed (by rank 0, each named)."""
+    if dist.get_rank() == 0:
+        for name in sorted(os.listdir(root)):
+            if name.startswith("iter_") and name.endswith(INCOMPLETE):
+                print(f"removing {os.path.join(root, name)} (an interrupted save)", flush=True)
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    dist.barrier()
 
 
 def _files(folder: str) -> list[str]:

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 from dataclasses import dataclass
 
 import torch
@@ -59,8 +58,8 @@ import torch.distributed as dist
 
 from megatron.ciera import torch_checkpoint
 from megatron.ciera.checkpoint_fixes import fit_optimizer_layout, torch_adam_step_fix
-from megatron.ciera.checkpoint_publish import (CHECKSUMS, INCOMPLETE, TRACKER, begin, complete_iterations,
-                                               iteration_dir, latest_iteration, print0, publish, verify)
+from megatron.ciera.checkpoint_publish import (CHECKSUMS, TRACKER, begin, complete_iterations, iteration_dir,
+                                               latest_iteration, print0, publish, remove_interrupted, verify)
 from megatron.ciera.checkpoint_state import (CONTENT_METADATA, common_entries, model_keys, parallel_layout,
                                              rng_state, set_rng_state, sharded_state_dict, unwrap)
 
@@ -110,12 +109,7 @@ def preflight(args: argparse.Namespace) -> None:
         except OSError as exc:
             problem = f"--save {args.save} is not writable by rank {dist.get_rank()}: {exc.strerror or exc}"
         _fail_together(problem)
-        if dist.get_rank() == 0:
-            for name in sorted(os.listdir(args.save)):
-                if name.startswith("iter_") and name.endswith(INCOMPLETE):
-                    print(f"removing {os.path.join(args.save, name)} (an interrupted save)", flush=True)
-                    shutil.rmtree(os.path.join(args.save, name), ignore_errors=True)
-        dist.barrier()
+        remove_interrupted(args.save)
 
     found = _holds_checkpoint(args.load)
     if args.load and found is None and args.exit_on_missing_checkpoint:
