@@ -196,8 +196,7 @@ class Direct:
 
     Those operations (a header written through an int64 view, a header read back, a bits view)
     cost tens of microseconds each once the codec's own streams have left the caches, which is
-    serial time that no thread count shortens (about a tenth of a 2-thread exponent_reuse call on
-    a 4M-value shard). Both methods return ``False``, having done nothing, when an argument is not
+    serial time that no thread count shortens. Both methods return ``False``, having done nothing, when an argument is not
     exactly what the call needs (the caller then takes the checked path, which names the problem)
     and when the header is refused (idem); bytes, state and bits are those of the checked path
     (tests/codecs/test_native.py compares them)."""
