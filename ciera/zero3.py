@@ -72,7 +72,6 @@ class Zero3Gather:
         self._measurements = measurements
         self._inner: CieraAllGather | None = None
         self._handle: Zero3Handle | None = None
-        self._others: torch.Tensor | None = None  # the other ranks' rows, on the device
         self._values: torch.Tensor | None = None  # cache='values': the persistent gathered buffer
         self._exps: torch.Tensor | None = None  # cache='exponents': [world, n] uint8
         self._sent: torch.Tensor | None = None  # this rank's shard as last sent fresh
@@ -150,7 +149,7 @@ class Zero3Gather:
         if not replayed:  # receivers now hold this shard exactly (a failed replay was raw)
             self._sent.copy_(own)
             if self.config.cache == "exponents":
-                self._exps.copy_(_exponents(buffer).view(self._exps.shape))
+                store_exponents(buffer.view(self._exps.shape), self._exps)
         if buffer is not output:
             output.copy_(buffer)
 
@@ -208,8 +207,6 @@ class Zero3Gather:
                                      measurements=self._measurements, persistent=persistent)
         world, n = self._inner.world, self._inner.shard_numel
         self._sent = torch.empty(n, dtype=buffer.dtype, device=buffer.device)
-        self._others = torch.tensor([r for r in range(world) if r != self._inner.rank], dtype=torch.int64,
-                                    device=buffer.device)
         if not persistent:
             self._exps = torch.empty(world, n, dtype=torch.uint8, device=buffer.device)
         if self._inner.rank == 0:
@@ -221,13 +218,14 @@ class Zero3Gather:
         return world * n * per_value + n * buffer.element_size()
 
     def _seed(self, buffer: torch.Tensor) -> None:
-        """The other ranks' slots of a fresh buffer get their cached exponents (sign and mantissa
-        0): all ``exponent_reuse``'s decode reads of a target."""
-        fmt = float_format(buffer.dtype)
+        """The other ranks' slots of a fresh buffer get their cached exponents: all
+        ``exponent_reuse``'s decode reads of a target."""
         world, n = self._exps.shape
-        rows = self._others
-        seeded = self._exps.index_select(0, rows).to(fmt.bits_dtype) << fmt.mant_bits
-        as_bits(buffer).view(world, n).index_copy_(0, rows, seeded)
+        rank = self._inner.rank
+        rows = buffer.view(world, n)
+        for lo, hi in ((0, rank), (rank + 1, world)):  # the other ranks: two ranges of rows
+            if hi > lo:
+                seed_exponents(rows[lo:hi], self._exps[lo:hi])
 
     def _count_plain(self, output: torch.Tensor) -> None:
         s = self._plain
@@ -255,9 +253,40 @@ class Zero3Handle:
             self._finish()
 
 
-def _exponents(buffer: torch.Tensor) -> torch.Tensor:
-    fmt = float_format(buffer.dtype)
-    return ((as_bits(buffer) >> fmt.mant_bits) & ((1 << fmt.exp_bits) - 1)).to(torch.uint8)
+def _exponent_bytes(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of the two little-endian bytes of every value that hold its exponent field: ``(high,
+    low)``. bf16 and fp32: ``high`` = sign | exponent bits 7..1, bit 7 of ``low`` = exponent bit 0;
+    fp16: bits 6..2 of ``high`` (``low`` unused)."""
+    item = values.element_size()
+    b = values.view(torch.uint8).view(*values.shape, item)
+    return b[..., item - 1], b[..., item - 2]
+
+
+def seed_exponents(values: torch.Tensor, exps: torch.Tensor) -> None:
+    """Write exponent fields ``exps`` (uint8, the shape of ``values``) into ``values``' exponent
+    bits; the other bits are left as they are (a decode that reads only exponents ignores them).
+    In place, no temporaries: elementwise ops into strided byte views."""
+    fmt = float_format(values.dtype)
+    high, low = _exponent_bytes(values)
+    if fmt.exp_bits == 5:  # fp16: sign 0, exponent in bits 6..2, mantissa's top 2 bits 0
+        torch.bitwise_left_shift(exps, 2, out=high)
+        return
+    torch.bitwise_right_shift(exps, 1, out=high)  # sign 0, exponent bits 7..1
+    torch.bitwise_and(exps, 1, out=low)
+    low.bitwise_left_shift_(7)  # exponent bit 0, the mantissa's top bits 0
+
+
+def store_exponents(values: torch.Tensor, exps: torch.Tensor) -> None:
+    """``exps`` (uint8, the shape of ``values``) = the exponent fields of ``values``. In place, no
+    temporaries: ``(low >> 7) + 2 x high`` wraps the sign out in uint8 arithmetic."""
+    fmt = float_format(values.dtype)
+    high, low = _exponent_bytes(values)
+    if fmt.exp_bits == 5:
+        torch.bitwise_right_shift(high, 2, out=exps)
+        exps.bitwise_and_(0x1F)
+        return
+    torch.bitwise_right_shift(low, 7, out=exps)
+    exps.add_(high, alpha=2)
 
 
 def cache_bytes_per_rank(*, numel: int, world: int, dtype: torch.dtype, cache: str) -> int:
