@@ -25,6 +25,7 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -394,6 +395,7 @@ class Watchdog:
         self._seen: dict[str, tuple[int, float]] = {}  # group -> (own sequence number, since when)
         self._checked: dict[str, int] = {}  # group -> the number last found not stalled
         self._top: tuple = (None, time.time())  # (main thread's innermost frame and line, since when)
+        self._silent: dict[int, dict] = {}  # rank -> its last published state, for silent peers
         self._thread = threading.Thread(target=self._run, name="ciera-watchdog", daemon=True)
 
     def start(self) -> "Watchdog":
@@ -423,7 +425,7 @@ class Watchdog:
         return out
 
     def _publish(self) -> None:
-        state = {"t": time.time(), "seq": self._sequences()}
+        state = {"t": time.time(), "seq": self._sequences(), "host": socket.gethostname(), "pid": os.getpid()}
         self.store.set(f"{_STORE_PREFIX}{self.rank}", json.dumps(state))
 
     def _peer(self, rank: int) -> dict | None:
@@ -451,8 +453,10 @@ class Watchdog:
                 continue
             seq = peer["seq"].get(name, 0)
             silent = max(0.0, now - peer["t"])
+            if silent > 3 * self.period_s + 2:
+                self._silent[r] = peer
             if seq < own:
-                out.append(f"rank {r} (at collective {seq} of the group; last heard {silent:.0f} s ago)")
+                out.append(f"rank {r} (its last word: collective {seq} of the group, {silent:.0f} s ago)")
             elif silent > 3 * self.period_s + 2:
                 out.append(f"rank {r} (entered it, then silent for {silent:.0f} s: stopped or hung)")
         return out
@@ -491,7 +495,33 @@ class Watchdog:
             return None
         frames = list(traceback.walk_tb(exc.__traceback__))
         last = text.strip().splitlines()[-1] if text.strip() else ""
-        return self._line(groups, _where(frames), self.timeout_s, backend=last[-160:])
+        line = self._line(groups, _where(frames), self.timeout_s, backend=last[-160:])
+        return line + self._end_silent_local_peers()
+
+    def _end_silent_local_peers(self) -> str:
+        """SIGTERM, then SIGCONT, to the silent peers on this host (checked to be that rank of this
+        job): a stopped process acts on no signal but SIGKILL until continued, and torchrun waits 30 s
+        before its SIGKILL. A hung one takes the SIGTERM as the launcher's own. Returns a note."""
+        ended = []
+        for rank, peer in sorted(self._silent.items()):
+            pid = peer.get("pid")
+            if peer.get("host") != socket.gethostname() or not isinstance(pid, int):
+                continue
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+            except OSError:
+                continue
+            run_id = os.environ.get("TORCHELASTIC_RUN_ID", "").encode()
+            if env.get(b"RANK") != str(rank).encode() or env.get(b"TORCHELASTIC_RUN_ID", b"") != run_id:
+                continue
+            try:
+                os.kill(pid, signal.SIGTERM)
+                os.kill(pid, signal.SIGCONT)
+                ended.append(str(rank))
+            except OSError:
+                continue
+        return f"; ended rank {', '.join(ended)} on this host (SIGTERM + SIGCONT)" if ended else ""
 
     # -- the thread ----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -533,4 +563,5 @@ class Watchdog:
         groups = self._stalled_groups(now, names=due)
         self._checked.update({n: self._seen[n][0] for n in due})
         if groups and not self._stop.is_set():
-            exit_now(self._line(groups, _where(_walk(frame)), now - self._top[1]), gate=self.gate)
+            line = self._line(groups, _where(_walk(frame)), now - self._top[1])
+            exit_now(line + self._end_silent_local_peers(), gate=self.gate)
