@@ -41,8 +41,9 @@ class RunResult:
         return "\n".join(block[: end + 1])
 
 
-# Seconds torchrun waits, after one rank failed, between SIGTERM and SIGKILL for the others
-# (torchrun's default is 30): a rank stopped or stuck in the kernel ignores SIGTERM.
+# Seconds torchrun waits between SIGTERM and SIGKILL when it is itself signalled (its default is
+# 30; after a rank's failure torch 2.13 keeps a fixed 30 s, which is why the watchdog ends a stopped
+# peer on its host itself: megatron.ciera.failfast).
 SHUTDOWN_TIMEOUT_S = 5
 
 
