@@ -6,6 +6,18 @@ Each model chunk is wrapped in megatron-core's ``FullyShardedDataParallel`` (the
 (ZeRO-1) and ``optim_grads`` (ZeRO-2) keep a persistent model-weight buffer gathered once per
 optimizer step; ``optim_grads_params`` (ZeRO-3) keeps only the shard, every transformer layer's
 bucket gathered in its forward and again in its backward.
+
+With ``--ciera-allgather`` :func:`install` makes every bucket's gather CIERA's (through
+:mod:`megatron.ciera.megatron_fsdp_patch`, the one dispatch point): a bucket whose model-weight
+buffer persists (``optim``, ``optim_grads``; the root unit's bucket too) is a
+:class:`ciera.CieraAllGather` over that buffer, gathered (and encoded) once per optimizer step; a
+ZeRO-3 bucket (``optim_grads_params``), whose gathered storage is freed between gathers, is a
+:class:`ciera.zero3.Zero3Gather`: its shard is encoded once per optimizer step (the step is
+learned where the optimizer writes the shards) and the step's later gathers replay against the
+receiver cache (``--ciera-cache``).
+
+The functions after :func:`wrap` are the training loop's CIERA binding, with the names and
+arguments of :mod:`megatron.ciera.bucket_group`'s.
 """
 
 from __future__ import annotations
@@ -14,7 +26,10 @@ from typing import Callable
 
 import torch
 
-__all__ = ["check_args", "wrap"]
+__all__ = ["check_args", "wrap", "sync_params", "full_tensor", "install", "after_optimizer_step", "invalidate_param_caches",
+           "bucket_stats", "summary", "cache_bytes", "planned_cache_bytes"]
+
+_ATTR = "_ciera_megatron_fsdp_gathers"  # the _Gathers of a wrapped chunk
 
 
 def _option(dest: str) -> str:
@@ -47,9 +62,18 @@ def check_args(args, err: Callable[[str], None]) -> None:
         if getattr(args, dest):
             err(f"{_option(dest)} with --use-megatron-fsdp: fsdp_dtensor checkpoints are not written or read "
                 "by this entry point yet")
+    for dest in ("fp8_param_gather", "overlap_param_gather"):
+        if args.ciera_allgather and getattr(args, dest, False):
+            err(f"--ciera-allgather with --use-megatron-fsdp and {_option(dest)}: not supported")
     if args.ciera_allgather:
-        err("--ciera-allgather with --use-megatron-fsdp: not bound yet (use --use-torch-fsdp2, or the distributed "
-            "optimizer without FSDP)")
+        from ciera.zero3 import Zero3Gather
+
+        from .arguments import ciera_config_from_args
+
+        try:
+            Zero3Gather(config=ciera_config_from_args(args))  # its own checks; no collective
+        except ValueError as exc:
+            err(f"--ciera-* flags with --use-megatron-fsdp: {exc}")
     if args.device == "cpu":  # the fusion off is what runs on CPU (upstream warns about it under FSDP)
         args.cpu_ignored = [o for o in args.cpu_ignored if o != "--no-gradient-accumulation-fusion"]
 
@@ -70,6 +94,14 @@ def wrap(chunks: list, *, config, args) -> list:
             for i, chunk in enumerate(chunks)]
 
 
+def sync_params(model: list) -> None:
+    """Finish every gather Megatron-FSDP started ahead (it prefetches the next forward's buckets
+    after the optimizer step and waits for them only when it uses them) and make the chunks'
+    parameters its sharded DTensors again (what it checkpoints; :func:`full_tensor` reads them)."""
+    for chunk in model:
+        chunk.module.synchronize_param_gather()
+
+
 def full_tensor(param: torch.Tensor) -> torch.Tensor:
     """The whole value of a parameter Megatron-FSDP holds as a (possibly unevenly) sharded DTensor
     (a collective over its mesh); any other tensor as it is."""
@@ -80,3 +112,156 @@ def full_tensor(param: torch.Tensor) -> torch.Tensor:
     from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import gather_uneven_dtensor_to_full_tensor
 
     return gather_uneven_dtensor_to_full_tensor(param).to_local()
+
+
+_GATHER_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class _Gathers:
+    """CIERA's gathers of one wrapped chunk, one per bucket, each built at the bucket's first gather
+    (a collective: every rank gathers the buckets in the same order)."""
+
+    def __init__(self, *, config, prefix: str):
+        self.config, self.prefix = config, prefix
+        self.gathers: dict[int, object] = {}  # bucket id -> CieraAllGather | Zero3Gather
+        self.encodes: dict[int, int] = {}  # bucket id -> fresh (encoding) gathers of a persistent bucket
+        self._measurements: dict = {}  # process group -> ciera.selection.Measurements
+
+    def __call__(self, *, bucket_id: int, output: torch.Tensor, input: torch.Tensor, group, persistent: bool):
+        import torch.distributed as dist
+        from ciera import CieraAllGather
+        from ciera.selection import Measurements
+        from ciera.zero3 import Zero3Gather
+
+        if output.dtype not in _GATHER_DTYPES:  # fp8 storage: upstream's gather
+            dist.all_gather_into_tensor(output, input, group=group)
+            return
+        name = f"{self.prefix}bucket{bucket_id}"
+        measurements = self._measurements.setdefault(group, Measurements())
+        gather = self.gathers.get(bucket_id)
+        if not persistent:
+            if gather is None:
+                gather = self.gathers[bucket_id] = Zero3Gather(group=group, config=self.config, name=name,
+                                                               measurements=measurements)
+            gather.start(output=output, input=input, group=group).wait()
+            return
+        if gather is None:
+            gather = self.gathers[bucket_id] = CieraAllGather(output, group=group, config=self.config, name=name,
+                                                              measurements=measurements)
+            self.encodes[bucket_id] = 0
+        elif gather.buffer.data_ptr() != output.data_ptr() or gather.buffer.numel() != output.numel():
+            raise RuntimeError(f"{name}: Megatron-FSDP moved a persistent model-weight buffer between gathers")
+        own = output.view(gather.world, gather.shard_numel)[gather.rank]
+        if own.data_ptr() != input.data_ptr():  # (upstream passes the buffer's own slot)
+            own.copy_(input)
+        self.encodes[bucket_id] += 1
+        gather.start().wait()
+
+    def step(self) -> None:
+        """The optimizer wrote this rank's shards: every ZeRO-3 bucket's next gather encodes."""
+        for gather in self.gathers.values():
+            if hasattr(gather, "step"):
+                gather.step()
+
+    def invalidate(self) -> None:
+        for gather in self.gathers.values():
+            gather.invalidate()
+
+    def fresh(self, bucket_id: int) -> int:
+        """Gathers of the bucket that encoded (one per optimizer step)."""
+        gather = self.gathers[bucket_id]
+        return gather.fresh_gathers if hasattr(gather, "fresh_gathers") else self.encodes[bucket_id]
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(g.cache_bytes for g in self.gathers.values() if hasattr(g, "cache_bytes"))
+
+
+def _fsdp(chunk):
+    """The ``MegatronFSDP`` inside a wrapped chunk."""
+    return chunk.module
+
+
+def planned_cache_bytes(model, config) -> tuple[int, int]:
+    """(bytes the ZeRO-3 buckets' gathers keep per rank between gathers, bytes of the sharded
+    model weights per rank), from the buffers before any gather."""
+    import torch.distributed as dist
+    from ciera.zero3 import cache_bytes_per_rank
+
+    cache = sharded = 0
+    for chunk in model:
+        for group in _fsdp(chunk).param_and_grad_buffer.parameter_groups:
+            wbuf = group.model_weight_buffer
+            if wbuf is None or not wbuf.is_data_distributed:
+                continue
+            shard = wbuf.get_shard_from_local_buffer()
+            world = dist.get_world_size(wbuf.data_parallel_group)
+            sharded += shard.numel() * shard.element_size()
+            if shard.dtype in _GATHER_DTYPES:
+                cache += cache_bytes_per_rank(numel=world * shard.numel(), world=world, dtype=shard.dtype,
+                                              cache=config.cache)
+    return cache, sharded
+
+
+def install(model: list, config, optimizer_config=None, log: Callable[[str], None] | None = None,
+            optimizer=None) -> int:
+    """CIERA's gather on every bucket of every wrapped chunk (before the first forward). Returns the
+    number of buckets. ``optimizer_config`` and ``optimizer`` are unused (the shards' writes are
+    learned from the model's own buffer)."""
+    from . import megatron_fsdp_patch as patch
+
+    n = 0
+    for i, chunk in enumerate(model):
+        fsdp = _fsdp(chunk)
+        if getattr(chunk, _ATTR, None) is not None:
+            raise RuntimeError("CIERA already installed on this Megatron-FSDP model")
+        gathers = _Gathers(config=config, prefix="" if len(model) == 1 else f"chunk{i}.")
+        patch.attach(fsdp.all_gather_pipeline, gathers)
+        patch.on_shard_written(fsdp.param_and_grad_buffer, gathers.step)
+        setattr(chunk, _ATTR, gathers)
+        n += fsdp.all_gather_pipeline.num_buckets
+    if log is not None:
+        cache, sharded = planned_cache_bytes(model, config)
+        if sharded:
+            log(f"CIERA ZeRO-3 cache ({config.cache}): {_mib(cache)} per rank kept between gathers "
+                f"(the sharded parameters: {_mib(sharded)} per rank)")
+    return n
+
+
+def _gathers(model) -> list:
+    return [g for chunk in model if (g := getattr(chunk, _ATTR, None)) is not None]
+
+
+def after_optimizer_step(model, *, overlap_param_gather: bool = False) -> None:
+    """Nothing: the step's write of the shards marked them changed, and the step gathered."""
+
+
+def invalidate_param_caches(model) -> None:
+    """After a checkpoint load: every bucket's next gather is raw and refills the caches."""
+    for g in _gathers(model):
+        g.invalidate()
+
+
+def bucket_stats(model) -> list[tuple[str, object]]:
+    """``(bucket name, stats)`` of every bucket that gathered, in bucket order."""
+    return [(f"{g.prefix}bucket{i}", g.gathers[i].stats) for g in _gathers(model) for i in sorted(g.gathers)]
+
+
+def summary(model) -> str:
+    """The closing summary: the buckets' counters as a table, the encodes per bucket (one per
+    optimizer step) and the ZeRO-3 cache measured."""
+    from .logging_utils import bucket_table
+
+    encodes = ", ".join(f"{g.prefix}bucket{i} {g.fresh(i)}" for g in _gathers(model) for i in sorted(g.gathers))
+    return (bucket_table(bucket_stats(model), "CIERA summary (bytes received by rank 0):")
+            + f"\nCIERA Megatron-FSDP encodes per bucket (one per optimizer step): {encodes}"
+            + f"\nCIERA ZeRO-3 cache: {_mib(cache_bytes(model))} per rank kept between gathers (measured)")
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f} MiB ({nbytes} bytes)"
+
+
+def cache_bytes(model) -> int:
+    """Bytes this rank keeps between ZeRO-3 gathers, measured (known after the first gathers)."""
+    return sum(g.cache_bytes for g in _gathers(model))

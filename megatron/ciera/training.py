@@ -59,10 +59,11 @@ def _log_selection_decisions(args) -> None:
 
 
 def _binding(args):
-    """The one dispatch point between the two ways parameters are gathered: FSDP2's units
-    (``--use-torch-fsdp2``, :mod:`megatron.ciera.fsdp2`) or the distributed optimizer's bucket groups
-    (:mod:`megatron.ciera.bucket_group`). Both modules offer the same functions to the loop."""
-    return fsdp2_binding if args.use_torch_fsdp2 else bucket_group
+    """The one dispatch point between the ways parameters are gathered: FSDP2's units
+    (``--use-torch-fsdp2``, :mod:`megatron.ciera.fsdp2`), Megatron-FSDP's buckets
+    (``--use-megatron-fsdp``, :mod:`megatron.ciera.megatron_fsdp`) or the distributed optimizer's
+    bucket groups (:mod:`megatron.ciera.bucket_group`). They offer the same functions to the loop."""
+    return fsdp2_binding if args.use_torch_fsdp2 else megatron_fsdp if args.use_megatron_fsdp else bucket_group
 
 
 def build_model_and_optimizer(args, vocab_size: int):
@@ -178,7 +179,9 @@ def params_sha256(model) -> str:
 def _sync_params(model, args):
     """Make every parameter buffer hold the gathered parameters (a no-op without overlap: the
     optimizer step already gathered synchronously)."""
-    if args.overlap_param_gather:
+    if args.use_megatron_fsdp:  # the gathers it prefetched finish; its parameters become the shards
+        megatron_fsdp.sync_params(model)
+    elif args.overlap_param_gather:
         for chunk in model:
             chunk.start_param_sync(force_sync=True)
 
@@ -209,7 +212,8 @@ def _install_ciera(args, model, optimizer, opt_config):
     if ciera_config is not None:
         n = _binding(args).install(model, ciera_config, optimizer_config=opt_config, log=_print0,
                                    optimizer=optimizer)
-        _print0(f"CIERA all-gather on {n} {'FSDP2 unit' if args.use_torch_fsdp2 else 'bucket group'}(s): {ciera_config}")
+        what = "FSDP2 unit" if args.use_torch_fsdp2 else "Megatron-FSDP bucket" if args.use_megatron_fsdp else "bucket group"
+        _print0(f"CIERA all-gather on {n} {what}(s): {ciera_config}")
     return ciera_config
 
 

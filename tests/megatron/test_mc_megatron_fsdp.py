@@ -1,13 +1,13 @@
 """pretrain_gpt.py --use-megatron-fsdp (megatron-core's own FSDP) on gloo ranks, made CPU-able by
 megatron.ciera.cpu_compat: every --data-parallel-sharding-strategy it accepts trains the tiny MoE
-exactly as the distributed optimizer without FSDP does (per-iteration losses, float.hex).
-
-``optim_grads_params`` (ZeRO-3) also ends on the same parameters (params sha256: its parameters
-are the bf16 model weights); under ``optim`` / ``optim_grads`` Megatron-FSDP exposes the fp32 main
-weights as the parameters, so their digest is another one."""
+with the distributed optimizer's per-iteration losses (float.hex), and with --ciera-allgather bit
+for bit as without (losses and the final params sha256: Megatron-FSDP's sharded parameters, read
+whole), each bucket gathered once per step (ZeRO-3 layer buckets: forward and backward of every
+micro batch) and encoded once per step."""
 
 import functools
 import os
+import re
 import sys
 
 import pytest
@@ -43,15 +43,59 @@ def strategy(name):
     return ("--data-parallel-sharding-strategy", name)
 
 
+CIERA = ("--ciera-allgather", "--ciera-selection", "always", "--ciera-codec", "exponent_reuse")
+MICRO = 2  # micro batches per step
+
+
+def last_table(result) -> dict:
+    """The last per-interval CIERA table (iterations 3-4): bucket -> (gathers, raw gathers, codec)."""
+    block = result.output.rsplit("CIERA buckets, iterations 3-4", 1)[1].split("\ntotal", 1)[0]
+    rows = {}
+    for line in block.strip().splitlines()[2:]:
+        f = line.split()
+        rows[f[0]] = (int(f[-4]), int(f[-3]), f[-1])
+    return rows
+
+
+def encodes(result) -> dict:
+    line = re.search(r"^CIERA Megatron-FSDP encodes per bucket \(one per optimizer step\): (.*)$", result.output,
+                     re.M).group(1)
+    return {name: int(n) for name, n in (part.rsplit(" ", 1) for part in line.split(", "))}
+
+
+def assert_bit_identical(name, *, zero3_buckets: int):
+    """With and without CIERA: the same losses and params; in iterations 3-4 every bucket gathered
+    compressed, ``zero3_buckets`` of them 2 x micro batches per step and the others once; every
+    bucket encoded once at its first gather and once per optimizer step."""
+    base, result = run(*strategy(name)), run(*strategy(name), *CIERA)
+    assert result.losses == base.losses, "per-iteration losses differ"
+    assert result.sha256 == base.sha256, "final params differ"
+    rows = last_table(result)
+    per_step = sorted(gathers // 2 for gathers, _, _ in rows.values())  # two steps in the table
+    assert per_step == [1] * (len(rows) - zero3_buckets) + [2 * MICRO] * zero3_buckets, rows
+    assert all(raw == 0 and codec == "exponent_reuse" for _, raw, codec in rows.values()), rows
+    assert encodes(result) == {bucket: 1 + ITERS for bucket in rows}
+    assert "ciera raw/wire" in result.iteration_lines()[-1] and "ciera raw/wire" not in base.output
+    return result
+
+
 def test_megatron_fsdp_zero3_trains_like_the_distributed_optimizer():
-    result = run(*strategy("optim_grads_params"))
-    assert result.losses == ddp().losses
-    assert result.sha256 == ddp().sha256
+    assert run(*strategy("optim_grads_params")).losses == ddp().losses
+
+
+def test_megatron_fsdp_zero3_is_bit_identical_with_ciera():
+    """optim_grads_params: the root unit's bucket persists (gathered once per step); the two layers'
+    dense and expert buckets are freed after use and gathered in every forward and backward."""
+    result = assert_bit_identical("optim_grads_params", zero3_buckets=4)
+    planned = re.search(r"^CIERA ZeRO-3 cache \(exponents\): [\d.]+ MiB \((\d+) bytes\) per rank", result.output, re.M)
+    measured = re.search(r"^CIERA ZeRO-3 cache: [\d.]+ MiB \((\d+) bytes\) per rank .*\(measured\)$", result.output, re.M)
+    assert int(planned.group(1)) == int(measured.group(1)) > 0
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["optim", "optim_grads"])
-def test_megatron_fsdp_zero1_zero2_train_like_the_distributed_optimizer(name):
+def test_megatron_fsdp_zero1_zero2_bit_identical_with_ciera(name):
+    assert_bit_identical(name, zero3_buckets=0)
     assert run(*strategy(name)).losses == ddp().losses
 
 
@@ -100,3 +144,15 @@ def test_fsdp_dtensor_without_megatron_fsdp_is_refused():
     with pytest.raises(ValueError) as info:
         parse(["--ckpt-format", "fsdp_dtensor"], base=[a for a in ARGS if a != "--use-megatron-fsdp"])
     assert "--ckpt-format fsdp_dtensor" in str(info.value)
+
+
+# -- the version gate of megatron.ciera.megatron_fsdp_patch ----------------------------------------
+def test_megatron_fsdp_patch_version_gate():
+    from megatron.ciera import megatron_fsdp_patch as patch
+
+    patch.check_upstream()  # the installed megatron-core's methods are the checked ones
+    changed = dict(patch.installed_digests(patch.UPSTREAM_METHODS))
+    name = next(iter(changed))
+    changed[name] = "0" * 16
+    with pytest.raises(RuntimeError, match=re.escape(name)):
+        patch.check_upstream(digests=changed)

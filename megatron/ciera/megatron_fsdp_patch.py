@@ -1,0 +1,135 @@
+"""Everything the Megatron-FSDP binding does to megatron-core's objects, gated by version.
+
+The sibling of :mod:`megatron.ciera.upstream_patch` (the distributed optimizer's), under the same
+rule: every upstream method replaced, copied or relied on is listed in :data:`UPSTREAM_METHODS`
+with what to re-check, and :data:`KNOWN_SOURCES` holds each one's source digest per checked
+megatron-core version; :func:`attach` refuses any other source (:func:`check_upstream`).
+
+* :func:`attach` shadows an ``AllGatherPipeline``'s ``async_bucket_gather`` (an instance attribute:
+  ``all_gather_params`` and ``MegatronFSDP.start_param_sync`` both call ``self.async_bucket_gather``)
+  with :func:`async_bucket_gather`, upstream's method with the binding's gather in place of
+  ``all_gather_into_tensor``: the binding's one dispatch point.
+* :func:`on_shard_written` wraps the ``ParamAndGradBuffer``'s ``copy_main_weights_to_model_weights``
+  (where an optimizer step writes this rank's shards) so the binding learns every step.
+
+The compressed gather runs when the engine waits for the bucket (``wait_bucket_ready`` calls the
+ready closure stored with the event): ``all_gather_params`` launches its buckets inside
+``_coalescing_manager`` (where a collective is only recorded, and run at the block's end) and
+replaces the stored event with the manager's, keeping the closure.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Callable, Mapping
+
+from .upstream_patch import UpstreamMethod, installed_digests, installed_version, upstream_changes
+
+__all__ = ["UPSTREAM_METHODS", "KNOWN_SOURCES", "check_upstream", "attach", "is_attached", "async_bucket_gather",
+           "on_shard_written"]
+
+_STATE = "_ciera_megatron_fsdp"  # the attribute holding the binding's state of an attached pipeline
+_PGB = "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer"
+_MFSDP = "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp"
+
+UPSTREAM_METHODS: tuple[UpstreamMethod, ...] = (
+    UpstreamMethod(_PGB, "AllGatherPipeline.async_bucket_gather",
+                   "is copied by async_bucket_gather here: the same status, release and fetch_bucket steps, one "
+                   "all_gather_into_tensor of wbuf.get_shard_from_local_buffer() into bucket.data, and the "
+                   "(event, ready closure) pair in param_gather_event_map"),
+    UpstreamMethod(_PGB, "AllGatherPipeline.all_gather_params",
+                   "calls self.async_bucket_gather inside _coalescing_manager, keeps the ready closure when it "
+                   "replaces the event, and waits through wait_bucket_ready"),
+    UpstreamMethod(_PGB, "AllGatherPipeline.wait_bucket_ready",
+                   "waits the stored event, then calls the stored ready closure, before the bucket is read"),
+    UpstreamMethod(_PGB, "ParamAndGradBuffer.copy_main_weights_to_model_weights",
+                   "is where an optimizer step writes this rank's shard of each model-weight buffer, and "
+                   "writes nothing else of them"),
+    UpstreamMethod(_MFSDP, "MegatronFSDP.start_param_sync",
+                   "gathers every bucket through self.all_gather_pipeline.async_bucket_gather after the step"),
+)
+"""Every upstream method whose behaviour this module's patches depend on."""
+
+KNOWN_SOURCES: Mapping[str, Mapping[str, str]] = MappingProxyType({
+    "0.16.1": MappingProxyType({
+        f"{_PGB}.AllGatherPipeline.async_bucket_gather": "992fe026cd55c8e3",
+        f"{_PGB}.AllGatherPipeline.all_gather_params": "eed54452ca5ce56b",
+        f"{_PGB}.AllGatherPipeline.wait_bucket_ready": "cc6f5be75dc5e1d7",
+        f"{_PGB}.ParamAndGradBuffer.copy_main_weights_to_model_weights": "dee0e048c0470883",
+        f"{_MFSDP}.MegatronFSDP.start_param_sync": "486c6e6ae49bfd21",
+    }),
+})
+"""megatron-core version -> {method name: source digest} for every version re-read against this module."""
+
+
+def check_upstream(*, digests: Mapping[str, str] | None = None) -> None:
+    """The version gate: raise ``RuntimeError`` naming every changed method."""
+    changes = upstream_changes(methods=UPSTREAM_METHODS, known=KNOWN_SOURCES,
+                               digests=installed_digests(UPSTREAM_METHODS) if digests is None else digests)
+    if changes:
+        raise RuntimeError(
+            f"CIERA all-gather under Megatron-FSDP: megatron-core {installed_version()} changed methods the binding "
+            "patches or relies on; re-check each, then record its digest in "
+            "megatron.ciera.megatron_fsdp_patch.KNOWN_SOURCES:\n  " + "\n  ".join(changes))
+
+
+def attach(pipeline, gather: Callable) -> None:
+    """Make ``pipeline``'s bucket gathers ``gather(bucket_id=, output=, input=, group=, persistent=)``'s
+    (a blocking, bit-exact ``all_gather_into_tensor``; ``persistent``: the bucket is the model-weight
+    buffer itself, which keeps its values between gathers). Runs the version gate first."""
+    check_upstream()
+    if is_attached(pipeline):
+        raise RuntimeError("CIERA already installed on this Megatron-FSDP model")
+    setattr(pipeline, _STATE, gather)
+    pipeline.async_bucket_gather = async_bucket_gather.__get__(pipeline)
+
+
+def is_attached(pipeline) -> bool:
+    """Whether :func:`attach` made this pipeline's gathers the binding's."""
+    return hasattr(pipeline, _STATE)
+
+
+class _Pending:
+    """The event stored for a gather that runs at the wait (the ready closure runs it)."""
+
+    def wait(self) -> None:
+        """Nothing to wait for: the gather runs in the ready closure."""
+
+
+def async_bucket_gather(self, bucket_id, bwd) -> None:
+    """Upstream ``AllGatherPipeline.async_bucket_gather`` with the binding's gather, run by the
+    bucket's ready closure (when the engine waits for it), in place of ``all_gather_into_tensor``."""
+    import torch
+
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import BucketStatus
+
+    bucket_key = self.get_bucket_key(bucket_id, bwd)
+    self.bucket_can_be_released[bucket_key] = False
+    if self.bucket_status[bucket_key] != BucketStatus.EMPTY:
+        return
+    self.bucket_status[bucket_key] = BucketStatus.COMMUNICATING
+    wbuf = self.get_fsdp_buffer(bucket_id, bwd)
+    self.recycle_unused_buckets()  # (upstream's lazy release)
+    bucket = wbuf.fetch_bucket(set_param_data=True)
+    gather = getattr(self, _STATE)
+
+    @torch.no_grad()
+    def mark_bucket_ready_to_use():
+        gather(bucket_id=bucket_id, output=bucket.data, input=wbuf.get_shard_from_local_buffer(),
+               group=wbuf.data_parallel_group, persistent=not wbuf.is_data_distributed)
+        self.bucket_status[self.get_bucket_key(bucket_id, bwd)] = BucketStatus.READY_TO_USE
+
+    self.param_gather_event_map[bucket_key] = (_Pending(), mark_bucket_ready_to_use)
+
+
+def on_shard_written(buffer, callback: Callable[[], None]) -> None:
+    """Call ``callback()`` after every ``copy_main_weights_to_model_weights`` of ``buffer`` (a
+    ``ParamAndGradBuffer``): an optimizer step wrote this rank's shards."""
+    original = buffer.copy_main_weights_to_model_weights
+
+    def copy_main_weights_to_model_weights(*args, **kwargs):
+        out = original(*args, **kwargs)
+        callback()
+        return out
+
+    buffer.copy_main_weights_to_model_weights = copy_main_weights_to_model_weights
