@@ -4,9 +4,10 @@ Each one changes only what the upstream behaviour gets wrong, so checkpoints kee
 and shapes and move between this repository and Megatron-LM. Each names the megatron-core
 versions it was checked on, its gate (it acts only where the behaviour is present) and the
 upstream change that retires it; :data:`UPSTREAM_METHODS` holds the upstream methods they replace
-or rely on, with their source digests per checked version in :data:`KNOWN_SOURCES`
-(``tests/megatron/test_mc_checkpointing.py`` fails on a release that changes one, naming it and
-what to re-check).
+or rely on, with their source digests per checked version in :data:`KNOWN_SOURCES`, checked by
+:mod:`megatron.ciera.upstream_patch`'s gate (``upstream_changes(methods=UPSTREAM_METHODS,
+known=KNOWN_SOURCES)``: ``tests/megatron/test_mc_checkpointing.py`` fails on a release that
+changes one, naming it and what to re-check).
 
 * :func:`bucket_padding_fix` (saving ``fully_reshardable`` optimizer state). Upstream packs the
   gathered world tensors bucket by bucket without each bucket's end padding, then slices every
@@ -37,16 +38,15 @@ what to re-check).
 from __future__ import annotations
 
 import contextlib
-import importlib
 import inspect
 from types import MappingProxyType
 from typing import Mapping
 
 import torch
 
-from megatron.ciera.upstream_patch import UpstreamMethod, source_digest
+from megatron.ciera.upstream_patch import UpstreamMethod
 
-__all__ = ["UPSTREAM_METHODS", "KNOWN_SOURCES", "installed_digests", "upstream_changes", "sub_optimizers",
+__all__ = ["UPSTREAM_METHODS", "KNOWN_SOURCES", "sub_optimizers",
            "upstream_misplaces_padded_buckets", "in_buffer_layout", "bucket_padding_fix", "torch_adam_step_fix",
            "fit_optimizer_layout"]
 
@@ -88,32 +88,8 @@ KNOWN_SOURCES: Mapping[str, Mapping[str, str]] = MappingProxyType({
         f"{_OPTIMIZER}.ChainedOptimizer.load_state_dict": "a9b12e8e98354b51",
     }),
 })
-"""megatron-core version -> {:attr:`UpstreamMethod.name`: source digest}, for every version whose
-listed methods were re-read against these workarounds."""
-
-
-def installed_digests() -> dict[str, str]:
-    """The source digest (``upstream_patch.source_digest``) of every :data:`UPSTREAM_METHODS` entry
-    as installed; ``missing`` for a method the installed megatron-core lacks."""
-    out = {}
-    for method in UPSTREAM_METHODS:
-        try:
-            obj = importlib.import_module(method.module)
-            for part in method.qualname.split("."):
-                obj = getattr(obj, part)
-            out[method.name] = source_digest(inspect.getsource(obj))
-        except (ImportError, AttributeError, OSError, TypeError):
-            out[method.name] = "missing"
-    return out
-
-
-def upstream_changes(*, digests: Mapping[str, str] | None = None) -> list[str]:
-    """One line per :data:`UPSTREAM_METHODS` entry whose source (``digests``, default: the installed
-    one) matches that method in no checked version, saying what to re-check; empty when none."""
-    digests = installed_digests() if digests is None else digests
-    return [f"{m.name} (digest {digests.get(m.name)}) matches no checked version ({', '.join(KNOWN_SOURCES)}): "
-            f"re-check that it {m.recheck}"
-            for m in UPSTREAM_METHODS if not any(t.get(m.name) == digests.get(m.name) for t in KNOWN_SOURCES.values())]
+"""megatron-core version -> {:attr:`UpstreamMethod.name`: ``upstream_patch.source_digest``}, for
+every version whose listed methods were re-read against these workarounds."""
 
 
 def sub_optimizers(optimizer) -> list:

@@ -434,15 +434,16 @@ def test_world_tensors_are_put_back_in_the_buffer_layout():
 def test_checkpoint_workarounds_are_gated_on_the_upstream_sources_they_were_checked_against():
     """Every upstream method the workarounds replace or rely on is the one read in a checked
     megatron-core version; a changed one is named with what to re-check."""
-    digests = checkpoint_fixes.installed_digests()
-    names = {m.name for m in checkpoint_fixes.UPSTREAM_METHODS}
-    for version, table in checkpoint_fixes.KNOWN_SOURCES.items():
-        assert set(table) == names, version
-    assert checkpoint_fixes.upstream_changes() == [], (
+    from megatron.ciera import upstream_patch
+
+    methods, known = checkpoint_fixes.UPSTREAM_METHODS, checkpoint_fixes.KNOWN_SOURCES
+    digests = dict(upstream_patch.installed_digests(methods))
+    for version, table in known.items():
+        assert set(table) == {m.name for m in methods}, version
+    assert upstream_patch.upstream_changes(methods=methods, known=known) == [], (
         "re-check these, then record their digests in checkpoint_fixes.KNOWN_SOURCES: " + str(digests))
-    method = checkpoint_fixes.UPSTREAM_METHODS[0]
-    changes = checkpoint_fixes.upstream_changes(digests={**digests, method.name: "0" * 16})
-    assert len(changes) == 1 and method.name in changes[0] and method.recheck in changes[0]
+    changes = upstream_patch.upstream_changes(methods=methods, known=known, digests={**digests, methods[0].name: "0" * 16})
+    assert len(changes) == 1 and methods[0].name in changes[0] and methods[0].recheck in changes[0]
 
 
 def _digests(folder) -> dict:
