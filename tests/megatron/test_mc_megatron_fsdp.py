@@ -146,6 +146,16 @@ def test_fsdp_dtensor_without_megatron_fsdp_is_refused():
     assert "--ckpt-format fsdp_dtensor" in str(info.value)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [("--ciera-selection", "auto"),
+                                   ("--ciera-selection", "always", "--ciera-cache", "values", "--ciera-codec", "delta"),
+                                   ("--ciera-selection", "always", "--ciera-cache", "none")])
+def test_megatron_fsdp_zero3_other_selections_and_caches(flags):
+    base, result = run(*strategy("optim_grads_params")), run(*strategy("optim_grads_params"), "--ciera-allgather", *flags)
+    assert (result.losses, result.sha256) == (base.losses, base.sha256)
+    assert sorted(g // 2 for g, _, _ in last_table(result).values()) == [1] + [2 * MICRO] * 4
+
+
 # -- the version gate of megatron.ciera.megatron_fsdp_patch ----------------------------------------
 def test_megatron_fsdp_patch_version_gate():
     from megatron.ciera import megatron_fsdp_patch as patch
