@@ -99,7 +99,12 @@ def sync_params(model: list) -> None:
     after the optimizer step and waits for them only when it uses them) and make the chunks'
     parameters its sharded DTensors again (what it checkpoints; :func:`full_tensor` reads them)."""
     for chunk in model:
-        chunk.module.synchronize_param_gather()
+        fsdp = chunk.module
+        fsdp.synchronize_param_gather()
+        for name, param in fsdp.module.named_parameters():  # what upstream's raw parameters say of themselves
+            raw = fsdp.raw_param.get(name)
+            if raw is not None and param is not raw and hasattr(raw, "allreduce"):
+                param.allreduce = raw.allreduce  # False: an expert parameter (expert-data-parallel replicas)
 
 
 def full_tensor(param: torch.Tensor) -> torch.Tensor:
@@ -133,7 +138,7 @@ class _Gathers:
         from ciera.selection import Measurements
         from ciera.zero3 import Zero3Gather
 
-        if output.dtype not in _GATHER_DTYPES:  # fp8 storage: upstream's gather
+        if output.dtype not in _GATHER_DTYPES or dist.get_world_size(group) == 1:  # fp8 storage, or alone
             dist.all_gather_into_tensor(output, input, group=group)
             return
         name = f"{self.prefix}bucket{bucket_id}"

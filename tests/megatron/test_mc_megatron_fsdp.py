@@ -156,6 +156,18 @@ def test_megatron_fsdp_zero3_other_selections_and_caches(flags):
     assert sorted(g // 2 for g, _, _ in last_table(result).values()) == [1] + [2 * MICRO] * 4
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc, gbs", [(2, 8), (4, 16)])
+def test_megatron_fsdp_zero3_expert_parallel_bit_identical_with_ciera(nproc, gbs):
+    """EP 2: at 2 ranks the experts' data-parallel group is one rank (their buckets gather nothing:
+    upstream's copy); at 4 ranks every bucket is CIERA's."""
+    flags = (*strategy("optim_grads_params"), "--expert-model-parallel-size", "2")
+    base, result = run(*flags, nproc=nproc, gbs=gbs), run(*flags, *CIERA, nproc=nproc, gbs=gbs)
+    assert (result.losses, result.sha256) == (base.losses, base.sha256)
+    assert len(encodes(result)) == (3 if nproc == 2 else 5)
+    assert set(encodes(result).values()) == {1 + ITERS}
+
+
 # -- the version gate of megatron.ciera.megatron_fsdp_patch ----------------------------------------
 def test_megatron_fsdp_patch_version_gate():
     from megatron.ciera import megatron_fsdp_patch as patch
