@@ -36,6 +36,7 @@ from . import fsdp2 as fsdp2_binding
 from . import megatron_fsdp
 from . import checkpointing, data, evaluation, failfast, logging_utils, parallel, timers, upstream_notices
 from . import model as model_lib
+from . import watchdog as watchdog_lib
 from .arguments import ciera_config_from_args, parse_args
 
 
@@ -422,14 +423,14 @@ def _train_loop(run: _Run) -> bool:
 
 def train(args, *, watchdogs: list | None = None) -> str:
     """Run the whole job; returns the final params sha256 (printed by rank 0). ``watchdogs``:
-    receives the rank's :class:`~megatron.ciera.failfast.Watchdog` once the process group is up
+    receives the rank's :class:`~megatron.ciera.watchdog.Watchdog` once the process group is up
     (the caller's error path reports stalls with it)."""
     if args.logging_level is not None:
         logging.getLogger().setLevel(args.logging_level)
     logging_utils.check_writer_packages(args)
     parallel.initialize(args)
     if watchdogs is not None:
-        watchdogs.append(failfast.Watchdog(timeout_s=60.0 * args.distributed_timeout_minutes).start())
+        watchdogs.append(watchdog_lib.Watchdog(timeout_s=60.0 * args.distributed_timeout_minutes).start())
     _log_selection_decisions(args)
     _report_cpu_ignored(args)
     if note := upstream_notices.fallback_note(device=_device(args)):

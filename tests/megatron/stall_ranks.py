@@ -11,14 +11,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron.ciera import failfast
+from megatron.ciera import failfast, watchdog as watchdog_lib
 
 if __name__ == "__main__":
     backend = os.environ["STALL_MODE"] == "backend"
     timeout = datetime.timedelta(seconds=2 if backend else 60)
     dist.init_process_group("gloo", timeout=timeout)
     group = dist.new_group([0, 1], timeout=timeout)
-    watchdog = failfast.Watchdog(timeout_s=2.0, period_s=0.2, grace_s=30.0 if backend else 0.0).start()
+    watchdog = watchdog_lib.Watchdog(timeout_s=2.0, period_s=0.2, grace_s=30.0 if backend else 0.0).start()
     try:
         t = torch.ones(4)
         dist.all_reduce(t, group=group)  # both ranks: collective 1 of the group

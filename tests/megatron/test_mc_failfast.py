@@ -215,3 +215,40 @@ def test_stopped_rank_ends_the_job_at_the_timeout():
     assert len(stalls) == 1 and stalls[0].startswith("rank 0: stalled"), out[-3000:]
     assert "did not arrive: rank 1 " in stalls[0] and "(ranks [0, 1])" in stalls[0], stalls[0]
     assert stalls[0].endswith("; ended rank 1 on this host (SIGTERM + SIGCONT)\n"), stalls[0]
+
+
+def _default_verify_worker(rank, world):
+    """A receiver made stale after 3 gathers (rank 1's copy of shard 0 differs from its owner's,
+    as a write outside the gather without invalidate() leaves it) under the default config:
+    the gather that reaches the default interval raises on every rank."""
+    import torch
+
+    from ciera import CieraAllGather, CieraConfig
+    from ciera.gather import CieraVerifyError
+
+    n = 1024
+    buf = torch.randn(n * world, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    config = CieraConfig(codec="exponent_reuse", selection="always")
+    gather = CieraAllGather(buf, config=config)
+    for _ in range(3):
+        gather.start().wait()
+    if rank == 1:
+        buf[:n] += 1
+    for _ in range(config.verify_interval):
+        try:
+            gather.start().wait()
+        except CieraVerifyError as exc:
+            return gather.stats.gathers, str(exc)
+    return gather.stats.gathers, None
+
+
+@pytest.mark.slow  # 10000 gathers (~40 s on 2 vCPUs); tests/distributed/test_gather.py checks interval 1
+def test_verify_is_on_by_default_and_stops_a_stale_receiver():
+    from ciera import CieraConfig
+    from ciera.testing import run_on_ranks
+
+    every = CieraConfig().verify_interval
+    assert every > 0
+    for gathers, message in run_on_ranks(_default_verify_worker, world=2, timeout_s=120):
+        assert gathers == every and message is not None, (gathers, message)
+        assert "shard 0 (owned by rank 0) differs from its owner's values on ranks [1]" in message

@@ -69,3 +69,12 @@ def test_fault_switch():
     failfast.inject_after_step(plan, rank=1, iteration=4)
     with pytest.raises(SystemExit, match="expected KIND:RANK:ITERATION"):
         failfast.FaultPlan.from_env({failfast.FAULT_ENV: "explode:1"})
+
+
+def test_verify_is_on_by_default():
+    """On by default, at a cadence measured to cost under 0.5% of the gather time
+    (tools/bench_verify.py); a mismatch stops training: test_mc_failfast.py (slow, the default
+    interval) and tests/distributed/test_gather.py (interval 1)."""
+    from ciera import CieraConfig
+
+    assert CieraConfig().verify_interval > 0
