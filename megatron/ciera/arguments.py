@@ -325,7 +325,9 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None, *, de
 
         check_megatron_fsdp_args(args, err)
     # --ciera-codec etc. without --ciera-allgather are inert (launch scripts pass the same tuning
-    # flags to the baseline and the CIERA run, so that --ciera-allgather is the only difference).
+    # flags to the baseline and the CIERA run, so that --ciera-allgather is the only difference):
+    # training names them at start-up (args.ciera_inert) instead of ignoring them silently.
+    args.ciera_inert = [] if args.ciera_allgather else _inert_ciera_flags(args)
     if (args.ciera_snapshot_dir is None) != (args.ciera_snapshot_interval is None):
         err("--ciera-snapshot-dir and --ciera-snapshot-interval go together")
     if args.ciera_snapshot_interval is not None and args.ciera_snapshot_interval < 1:
