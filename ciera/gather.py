@@ -256,6 +256,19 @@ class CieraAllGather:
         return (self._phase is Phase.IDLE and self.raw_by_selection()
                 and not self.selector.due(self._started))
 
+    def may_compress(self) -> bool:
+        """Whether the next fresh gather can be compressed. ``False`` guarantees a raw plan: no
+        codec, warmup or a failure pending on this rank, or selection has chosen raw and decides
+        nothing at that gather (then it cannot switch there)."""
+        if not self._codecs or self._raw_left > 0 or self._failed:
+            return False
+        return not (self.raw_by_selection() and not self.selector.due(self._started))
+
+    @property
+    def last_plan(self) -> Plan | None:
+        """The last fresh plan (what a replay repeats); ``None`` after ``invalidate()``."""
+        return self._last_plan
+
     def raw_by_selection(self) -> bool:
         """Selection has chosen raw for this bucket (rank-identical: the selector's inputs are
         agreed). A local failure meanwhile stays pending and is reported at the next agreement."""

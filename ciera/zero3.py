@@ -75,6 +75,7 @@ class Zero3Gather:
         self._values: torch.Tensor | None = None  # cache='values': the persistent gathered buffer
         self._exps: torch.Tensor | None = None  # cache='exponents': [world, n] uint8
         self._sent: torch.Tensor | None = None  # this rank's shard as last sent fresh
+        self._exps_valid = False  # the exponent cache holds the last gathered buffer's exponents
         self._fresh = True  # the next gather encodes
         self._plain = GatherStats(codec="raw")  # gathers that never reach the inner gather
         self.gathers_this_step = 0
@@ -115,7 +116,7 @@ class Zero3Gather:
             raise ValueError(f"{self.name}: output of {tuple(output.shape)} values for a shard of "
                              f"{input.numel()} at world {world}")
         self.gathers_this_step += 1
-        if world == 1 or output.dtype not in FORMATS or self.config.cache == "none" or self.config.codec == "raw":
+        if world == 1 or output.dtype not in FORMATS or not self._compresses():
             work = all_gather_into(output, input, group=group, async_op=True)
             self._count_plain(output)
             self._handle = Zero3Handle(self, work=work)
@@ -132,9 +133,14 @@ class Zero3Gather:
         else:
             fresh = self._fresh or not self.stepped
             if self.config.cache == "exponents":
-                self._seed(buffer)
                 self._inner.rebind(buffer)
-        replay = None if fresh else (as_bits(own) != as_bits(self._sent)).sum()
+                last = self._inner.last_plan
+                if self._inner.may_compress() if fresh else (last is not None and not last.raw):
+                    if not self._exps_valid:  # cannot happen (see _finish); raw is always exact
+                        self._inner.invalidate()
+                    else:
+                        self._seed(buffer)
+        replay = None if fresh else _count_changed(own, self._sent)
         self._inner.prepare(replay=replay)
         replayed = self._inner.plan.replay
         if fresh:
@@ -144,12 +150,20 @@ class Zero3Gather:
             buffer=buffer, output=output, own=own, replayed=replayed))
         return self._handle
 
+    def _compresses(self) -> bool:
+        """Whether this configuration ever compresses (else every gather is plain)."""
+        c = self.config
+        return c.cache != "none" and c.codec != "raw" and c.selection != "never"
+
     def _finish(self, *, buffer: torch.Tensor, output: torch.Tensor, own: torch.Tensor, replayed: bool) -> None:
         """After the inner gather's ``wait()``: the caches follow what receivers now hold."""
         if not replayed:  # receivers now hold this shard exactly (a failed replay was raw)
             self._sent.copy_(own)
             if self.config.cache == "exponents":
-                store_exponents(buffer.view(self._exps.shape), self._exps)
+                # The cache is read only by compressed gathers: kept while the next one may be.
+                self._exps_valid = self._inner.may_compress()
+                if self._exps_valid:
+                    store_exponents(buffer.view(self._exps.shape), self._exps)
         if buffer is not output:
             output.copy_(buffer)
 
@@ -251,6 +265,16 @@ class Zero3Handle:
         self._work.wait()
         if self._finish is not None:
             self._finish()
+
+
+def _count_changed(shard: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
+    """0-d device tensor: how many words of ``shard`` differ from ``sent`` (0 iff equal bit for
+    bit), compared 8 bytes at a time where the size allows."""
+    nbytes, start = shard.numel() * shard.element_size(), shard.storage_offset() * shard.element_size()
+    wide = next(w for w, size in ((torch.int64, 8), (torch.int32, 4), (as_bits(shard).dtype, 1))
+                if nbytes % size == 0 and start % size == 0)
+    a, b = shard.view(as_bits(shard).dtype).view(wide), sent.view(as_bits(sent).dtype).view(wide)
+    return (a != b).sum()
 
 
 def _exponent_bytes(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
