@@ -186,11 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
                         f"and stop naming the bucket on a mismatch (default {d.verify_interval}: off). "
                         "For debugging or new hardware; costs one small collective per check")
     g.add_argument("--ciera-cache", choices=["exponents", "values", "none"], default=None,
-                   help=f"with --use-torch-fsdp2 (ZeRO-3: the gathered parameters are freed after use), what "
+                   help=f"with --use-torch-fsdp2 or --use-megatron-fsdp (ZeRO-3: the gathered parameters are freed "
+                        f"after use), what "
                         f"each rank keeps of the others' shards between gathers (default {d.cache}). exponents: "
                         "1 byte per parameter, exponent_reuse only (the paper's design); values: the unsharded "
                         "parameters (the memory ZeRO-3 saves), any codec, delta included, and a step's backward "
-                        "gathers send nothing; none: every gather plain. Ignored by the distributed optimizer")
+                        "gathers send nothing; none: every gather plain. Ignored where the gathered buffer persists (the "
+                        "distributed optimizer; Megatron-FSDP's optim and optim_grads)")
     g.add_argument("--ciera-snapshot-dir", default=None, metavar="DIR",
                    help="rank 0 saves the gathered parameters here for tools/exponent_stats.py "
                         "(default: none; needs --ciera-snapshot-interval)")

@@ -62,9 +62,8 @@ def check_args(args, err: Callable[[str], None]) -> None:
         if getattr(args, dest):
             err(f"{_option(dest)} with --use-megatron-fsdp: fsdp_dtensor checkpoints are not written or read "
                 "by this entry point yet")
-    for dest in ("fp8_param_gather", "overlap_param_gather"):
-        if args.ciera_allgather and getattr(args, dest, False):
-            err(f"--ciera-allgather with --use-megatron-fsdp and {_option(dest)}: not supported")
+    if args.ciera_allgather and getattr(args, "fp8_param_gather", False):
+        err("--ciera-allgather with --use-megatron-fsdp and --fp8-param-gather: not supported")
     if args.ciera_allgather:
         from ciera.zero3 import Zero3Gather
 

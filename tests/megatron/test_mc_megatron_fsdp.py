@@ -79,6 +79,7 @@ def assert_bit_identical(name, *, zero3_buckets: int):
     return result
 
 
+@pytest.mark.slow
 def test_megatron_fsdp_zero3_trains_like_the_distributed_optimizer():
     assert run(*strategy("optim_grads_params")).losses == ddp().losses
 
@@ -154,6 +155,15 @@ def test_megatron_fsdp_zero3_other_selections_and_caches(flags):
     base, result = run(*strategy("optim_grads_params")), run(*strategy("optim_grads_params"), "--ciera-allgather", *flags)
     assert (result.losses, result.sha256) == (base.losses, base.sha256)
     assert sorted(g // 2 for g, _, _ in last_table(result).values()) == [1] + [2 * MICRO] * 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["optim", "optim_grads_params"])
+def test_megatron_fsdp_overlap_bit_identical_with_ciera(name):
+    flags = (*strategy(name), "--overlap-grad-reduce", "--overlap-param-gather")
+    base, result = run(*flags), run(*flags, *CIERA)
+    assert (result.losses, result.sha256) == (base.losses, base.sha256)
+    assert set(encodes(result).values()) == {1 + ITERS}
 
 
 @pytest.mark.slow
