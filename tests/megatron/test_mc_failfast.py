@@ -252,3 +252,20 @@ def test_verify_is_on_by_default_and_stops_a_stale_receiver():
     for gathers, message in run_on_ranks(_default_verify_worker, world=2, timeout_s=120):
         assert gathers == every and message is not None, (gathers, message)
         assert "shard 0 (owned by rank 0) differs from its owner's values on ranks [1]" in message
+
+
+def test_resume_with_another_schedule_names_the_flags_that_resolve_it(tmp_path):
+    """A larger --train-iters on resume changes the LR schedule (its decay steps): upstream's
+    scheduler refuses the checkpoint's; the error names the two flags that choose."""
+    from megatron.ciera.launch import run_pretrain
+
+    flags = [*TINY[:-2], "--save", str(tmp_path / "ckpt")]
+    first = run_pretrain([*flags, "--train-iters", "4"], timeout=240)
+    assert first.returncode == 0, first.output[-3000:]
+    second = run_pretrain([*flags, "--train-iters", "8", "--load", str(tmp_path / "ckpt")], timeout=240)
+    assert second.returncode != 0
+    assert "pass --override-opt_param-scheduler to use this run's schedule, or " \
+           "--use-checkpoint-opt_param-scheduler to keep the checkpoint's" in second.output, second.output[-3000:]
+    resumed = run_pretrain([*flags, "--train-iters", "8", "--load", str(tmp_path / "ckpt"),
+                            "--override-opt_param-scheduler"], timeout=240)
+    assert resumed.returncode == 0 and sorted(resumed.losses) == [5, 6, 7, 8], resumed.output[-3000:]
