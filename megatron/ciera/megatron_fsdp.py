@@ -132,14 +132,14 @@ class _Gathers:
         self._measurements: dict = {}  # process group -> ciera.selection.Measurements
 
     def __call__(self, *, bucket_id: int, output: torch.Tensor, input: torch.Tensor, group, persistent: bool):
+        """Start the bucket's gather of ``input`` into ``output``; returns the handle to ``wait()``."""
         import torch.distributed as dist
         from ciera import CieraAllGather
         from ciera.selection import Measurements
         from ciera.zero3 import Zero3Gather
 
         if output.dtype not in _GATHER_DTYPES or dist.get_world_size(group) == 1:  # fp8 storage, or alone
-            dist.all_gather_into_tensor(output, input, group=group)
-            return
+            return dist.all_gather_into_tensor(output, input, group=group, async_op=True)
         name = f"{self.prefix}bucket{bucket_id}"
         measurements = self._measurements.setdefault(group, Measurements())
         gather = self.gathers.get(bucket_id)
@@ -147,8 +147,7 @@ class _Gathers:
             if gather is None:
                 gather = self.gathers[bucket_id] = Zero3Gather(group=group, config=self.config, name=name,
                                                                measurements=measurements)
-            gather.start(output=output, input=input, group=group).wait()
-            return
+            return gather.start(output=output, input=input, group=group)
         if gather is None:
             gather = self.gathers[bucket_id] = CieraAllGather(output, group=group, config=self.config, name=name,
                                                               measurements=measurements)
@@ -159,7 +158,7 @@ class _Gathers:
         if own.data_ptr() != input.data_ptr():  # (upstream passes the buffer's own slot)
             own.copy_(input)
         self.encodes[bucket_id] += 1
-        gather.start().wait()
+        return gather.start()
 
     def step(self) -> None:
         """The optimizer wrote this rank's shards: every ZeRO-3 bucket's next gather encodes."""

@@ -12,10 +12,11 @@ megatron-core version; :func:`attach` refuses any other source (:func:`check_ups
 * :func:`on_shard_written` wraps the ``ParamAndGradBuffer``'s ``copy_main_weights_to_model_weights``
   (where an optimizer step writes this rank's shards) so the binding learns every step.
 
-The compressed gather runs when the engine waits for the bucket (``wait_bucket_ready`` calls the
-ready closure stored with the event): ``all_gather_params`` launches its buckets inside
-``_coalescing_manager`` (where a collective is only recorded, and run at the block's end) and
-replaces the stored event with the manager's, keeping the closure.
+The compressed gather starts where upstream's would (its collectives run at once: torch's
+``_coalescing_manager``, inside which ``all_gather_params`` launches its buckets, would only record
+them, so the group's recorded list is set aside meanwhile) and finishes (waits, decodes) in the
+ready closure stored with the event, which ``wait_bucket_ready`` calls before the bucket is read:
+``all_gather_params`` replaces the stored event with the manager's and keeps the closure.
 """
 
 from __future__ import annotations
@@ -74,9 +75,10 @@ def check_upstream(*, digests: Mapping[str, str] | None = None) -> None:
 
 
 def attach(pipeline, gather: Callable) -> None:
-    """Make ``pipeline``'s bucket gathers ``gather(bucket_id=, output=, input=, group=, persistent=)``'s
-    (a blocking, bit-exact ``all_gather_into_tensor``; ``persistent``: the bucket is the model-weight
-    buffer itself, which keeps its values between gathers). Runs the version gate first."""
+    """Make ``pipeline``'s bucket gathers ``gather(bucket_id=, output=, input=, group=, persistent=)``'s:
+    it starts a bit-exact ``all_gather_into_tensor`` and returns a handle whose ``wait()`` completes
+    it (``persistent``: the bucket is the model-weight buffer itself, which keeps its values between
+    gathers). Runs the version gate first."""
     check_upstream()
     if is_attached(pipeline):
         raise RuntimeError("CIERA already installed on this Megatron-FSDP model")
@@ -90,15 +92,34 @@ def is_attached(pipeline) -> bool:
 
 
 class _Pending:
-    """The event stored for a gather that runs at the wait (the ready closure runs it)."""
+    """The event stored with a bucket's ready closure, which waits for the gather itself."""
 
     def wait(self) -> None:
-        """Nothing to wait for: the gather runs in the ready closure."""
+        """Nothing here: the ready closure waits (and decodes)."""
+
+
+def _start_outside_coalescing(group, start: Callable):
+    """``start()`` with ``group``'s collectives run at once even inside torch's
+    ``_coalescing_manager`` (its recorded list is set aside and put back). Returns what ``start``
+    returned, or ``None`` (nothing started) where this torch keeps no such list: the gather then
+    starts in the ready closure, outside the manager."""
+    from torch.distributed import distributed_c10d as c10d
+
+    state = getattr(getattr(c10d, "_world", None), "pg_coalesce_state", None)
+    if not isinstance(state, dict):
+        return None
+    key = group if group is not None else c10d._get_default_group()
+    recorded = state.pop(key, None)
+    try:
+        return start()
+    finally:
+        if recorded is not None:
+            state[key] = recorded
 
 
 def async_bucket_gather(self, bucket_id, bwd) -> None:
-    """Upstream ``AllGatherPipeline.async_bucket_gather`` with the binding's gather, run by the
-    bucket's ready closure (when the engine waits for it), in place of ``all_gather_into_tensor``."""
+    """Upstream ``AllGatherPipeline.async_bucket_gather`` with the binding's gather in place of
+    ``all_gather_into_tensor``, finished by the bucket's ready closure (when the engine waits for it)."""
     import torch
 
     from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import BucketStatus
@@ -112,11 +133,18 @@ def async_bucket_gather(self, bucket_id, bwd) -> None:
     self.recycle_unused_buckets()  # (upstream's lazy release)
     bucket = wbuf.fetch_bucket(set_param_data=True)
     gather = getattr(self, _STATE)
+    group = wbuf.data_parallel_group
+
+    @torch.no_grad()
+    def start():
+        return gather(bucket_id=bucket_id, output=bucket.data, input=wbuf.get_shard_from_local_buffer(),
+                      group=group, persistent=not wbuf.is_data_distributed)
+
+    handle = _start_outside_coalescing(group, start)
 
     @torch.no_grad()
     def mark_bucket_ready_to_use():
-        gather(bucket_id=bucket_id, output=bucket.data, input=wbuf.get_shard_from_local_buffer(),
-               group=wbuf.data_parallel_group, persistent=not wbuf.is_data_distributed)
+        (handle if handle is not None else start()).wait()
         self.bucket_status[self.get_bucket_key(bucket_id, bwd)] = BucketStatus.READY_TO_USE
 
     self.param_gather_event_map[bucket_key] = (_Pending(), mark_bucket_ready_to_use)
