@@ -98,6 +98,9 @@ def main(argv=None) -> int:
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seq", type=int, default=4,
+                   help="tokens per micro-batch and rank (default 4: few, so the parameter gathers dominate, "
+                        "as for MoE experts, whose tokens are a fraction of the batch)")
     p.add_argument("--runs", nargs="+", choices=list(RUNS), default=["baseline", "exponents", "values"],
                    help="which runs (baseline first: the others are compared with it)")
     p.add_argument("--simulate", action="store_true",
@@ -107,7 +110,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     flags = ["--steps", str(a.steps), "--micro-batches", str(a.micro_batches), "--dim", str(a.dim),
              "--ffn", str(a.ffn), "--experts", str(a.experts), "--layers", str(a.layers), "--lr", str(a.lr),
-             "--batch", "1", "--seq", "16"]  # few tokens: the parameter gathers dominate, as in MoE experts
+             "--batch", "1", "--seq", str(a.seq)]
     try:
         with Testbed(TestbedConfig(hosts=2, link=LinkSpec(rate=a.rate))) as tb, tempfile.TemporaryDirectory() as tmp:
             bw = probe_link(tb)
