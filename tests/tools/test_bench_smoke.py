@@ -58,3 +58,11 @@ def test_bench_training_smoke(tmp_path):
                    check=True, timeout=600, capture_output=True)
     table = md.read_text()
     assert "| auto |" in table and table.rstrip().endswith("| yes |")
+
+
+@pytest.mark.distributed
+def test_bench_verify_smoke():
+    out = subprocess.run([sys.executable, str(TOOLS / "bench_verify.py"), "--numel", "65536", "--steps", "2"],
+                         check=True, timeout=300, capture_output=True, text=True).stdout
+    row = out.strip().splitlines()[-1].split()
+    assert row[0] == "65536" and float(row[4]) > 0 and int(row[5]) >= 1, out
