@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "through CIERA's code path (a baseline)")
     g.add_argument("--ciera-verify-interval", type=int, default=None, metavar="N",
                    help=f"every N gathers, compare a 64-bit hash of every gathered shard across ranks "
-                        f"and stop naming the bucket on a mismatch (default {d.verify_interval}: off). "
+                        f"and stop naming the bucket on a mismatch (default {d.verify_interval}; 0: off). "
                         "For debugging or new hardware; costs one small collective per check")
     g.add_argument("--ciera-cache", choices=["exponents", "values", "none"], default=None,
                    help=f"with --use-torch-fsdp2 or --use-megatron-fsdp (ZeRO-3: the gathered parameters are freed "
