@@ -43,14 +43,14 @@ _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken p
 
 def die_with_parent() -> None:
     """In a forked child: be killed (SIGKILL) when the parent dies (Linux; a no-op elsewhere).
-    A parent that died before the call already left: then exit at once."""
+    A parent that died while the signal was being set (the child re-parented): exit at once."""
     parent = os.getppid()
     if sys.platform.startswith("linux"):
         try:
             _libc().prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
         except (OSError, AttributeError):
             return
-    if parent == 1:  # re-parented to init between fork and prctl: the parent is gone
+    if os.getppid() != parent:
         os._exit(1)
     if os.environ.get(_KILL_FORKED_ENV):
         os.kill(os.getpid(), signal.SIGKILL)
