@@ -80,6 +80,7 @@ def attach(pipeline, gather: Callable) -> None:
     it (``persistent``: the bucket is the model-weight buffer itself, which keeps its values between
     gathers). Runs the version gate first."""
     check_upstream()
+    _coalesce_state()
     if is_attached(pipeline):
         raise RuntimeError("CIERA already installed on this Megatron-FSDP model")
     setattr(pipeline, _STATE, gather)
@@ -98,16 +99,25 @@ class _Pending:
         """Nothing here: the ready closure waits (and decodes)."""
 
 
-def _start_outside_coalescing(group, start: Callable):
-    """``start()`` with ``group``'s collectives run at once even inside torch's
-    ``_coalescing_manager`` (its recorded list is set aside and put back). Returns what ``start``
-    returned, or ``None`` (nothing started) where this torch keeps no such list: the gather then
-    starts in the ready closure, outside the manager."""
+def _coalesce_state() -> dict:
+    """torch's per-group lists of the collectives a ``_coalescing_manager`` recorded (private)."""
     from torch.distributed import distributed_c10d as c10d
 
     state = getattr(getattr(c10d, "_world", None), "pg_coalesce_state", None)
     if not isinstance(state, dict):
-        return None
+        raise RuntimeError("CIERA all-gather under Megatron-FSDP: this torch keeps no "
+                           "distributed_c10d._world.pg_coalesce_state, which the binding sets aside to start its "
+                           "gathers inside Megatron-FSDP's _coalescing_manager")
+    return state
+
+
+def _start_outside_coalescing(group, start: Callable):
+    """``start()`` with ``group``'s collectives run at once even inside torch's
+    ``_coalescing_manager`` (its recorded list is set aside and put back); returns what ``start``
+    returned."""
+    from torch.distributed import distributed_c10d as c10d
+
+    state = _coalesce_state()
     key = group if group is not None else c10d._get_default_group()
     recorded = state.pop(key, None)
     try:
@@ -144,7 +154,7 @@ def async_bucket_gather(self, bucket_id, bwd) -> None:
 
     @torch.no_grad()
     def mark_bucket_ready_to_use():
-        (handle if handle is not None else start()).wait()
+        handle.wait()
         self.bucket_status[self.get_bucket_key(bucket_id, bwd)] = BucketStatus.READY_TO_USE
 
     self.param_gather_event_map[bucket_key] = (_Pending(), mark_bucket_ready_to_use)

@@ -188,3 +188,29 @@ def test_megatron_fsdp_patch_version_gate():
     changed[name] = "0" * 16
     with pytest.raises(RuntimeError, match=re.escape(name)):
         patch.check_upstream(digests=changed)
+
+
+@pytest.mark.filterwarnings("ignore:.*all_gather_into_tensor.*:FutureWarning")
+def test_gathers_start_inside_the_coalescing_manager(tmp_path):
+    """Inside torch's ``_coalescing_manager`` (where Megatron-FSDP launches its bucket gathers) a
+    collective is only recorded; the binding's start runs at once, and what the manager recorded
+    before and after is still run at its end."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    from megatron.ciera.megatron_fsdp_patch import _start_outside_coalescing
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    group = dist.new_group([0])
+    outs = [torch.zeros(4) for _ in range(3)]
+    with _coalescing_manager(group, async_ops=True) as cm:
+        dist.all_gather_into_tensor(outs[0], torch.full((4,), 1.0), group=group, async_op=True)
+        work = _start_outside_coalescing(group, lambda: dist.all_gather_into_tensor(
+            outs[1], torch.full((4,), 2.0), group=group, async_op=True))
+        work.wait()
+        assert outs[1].tolist() == [2.0] * 4 and outs[0].tolist() == [0.0] * 4  # ran now; the other waits
+        dist.all_gather_into_tensor(outs[2], torch.full((4,), 3.0), group=group, async_op=True)
+    cm.wait()
+    assert [o[0].item() for o in outs] == [1.0, 2.0, 3.0]
