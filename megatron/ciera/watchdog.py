@@ -34,7 +34,6 @@ _FATAL_CHILD_SIGNALS = frozenset({signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS,
                                   signal.SIGFPE})
 
 
-
 def _children() -> list[int]:
     """Pids of this process's children (every thread's), zombies included (Linux ``/proc``)."""
     out = []
@@ -89,7 +88,7 @@ def _walk(frame):
 class Watchdog:
     """Per-rank daemon thread (see the module docstring). ``timeout_s``: the distributed
     timeout; a stall is declared after it (plus ``grace_s``, so that the backend's own timeout
-    error, which :func:`exit_on_error` turns into the same line, normally comes first)."""
+    error, which :func:`megatron.ciera.failfast.exit_on_error` turns into the same line, normally comes first)."""
 
     def __init__(self, *, timeout_s: float, period_s: float = 1.0, grace_s: float = 5.0):
         import torch.distributed as dist
