@@ -106,13 +106,15 @@ def main(argv=None) -> int:
     p.add_argument("--simulate", action="store_true",
                    help="also time gloo's all-gather on the link (link_probe.py) and print the simulator's "
                         "prediction of each CIERA run beside it (tools/sim/zero3.py)")
+    p.add_argument("--autogroup-nice", type=int, default=None,
+                   help="scheduler priority of the hosts' sessions (-20..19; e.g. -19 against other jobs on the machine)")
     p.add_argument("--out-md", default=None, help="also write the table here (Markdown)")
     a = p.parse_args(argv)
     flags = ["--steps", str(a.steps), "--micro-batches", str(a.micro_batches), "--dim", str(a.dim),
              "--ffn", str(a.ffn), "--experts", str(a.experts), "--layers", str(a.layers), "--lr", str(a.lr),
              "--batch", "1", "--seq", str(a.seq)]
     try:
-        with Testbed(TestbedConfig(hosts=2, link=LinkSpec(rate=a.rate))) as tb, tempfile.TemporaryDirectory() as tmp:
+        with Testbed(TestbedConfig(hosts=2, link=LinkSpec(rate=a.rate), autogroup_nice=a.autogroup_nice)) as tb, tempfile.TemporaryDirectory() as tmp:
             bw = probe_link(tb)
             link = MeasuredLink.from_probe(probe_gloo(tb, nproc=1), rate=a.rate) if a.simulate else None
             head = (f"testbed {tb.name}: 2 hosts, link {a.rate} (one TCP stream: {bw / 1e6:.0f} MB/s); "
