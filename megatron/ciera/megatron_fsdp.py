@@ -8,7 +8,7 @@ optimizer step; ``optim_grads_params`` (ZeRO-3) keeps only the shard, every tran
 bucket gathered in its forward and again in its backward.
 
 With ``--ciera-allgather`` :func:`install` makes every bucket's gather CIERA's (through
-:mod:`megatron.ciera.megatron_fsdp_patch`, the one dispatch point): a bucket whose model-weight
+:mod:`megatron.ciera.upstream_patch.megatron_fsdp`, the one dispatch point): a bucket whose model-weight
 buffer persists (``optim``, ``optim_grads``; the root unit's bucket too) is a
 :class:`ciera.CieraAllGather` over that buffer, gathered (and encoded) once per optimizer step; a
 ZeRO-3 bucket (``optim_grads_params``), whose gathered storage is freed between gathers, is a
@@ -211,7 +211,7 @@ def install(model: list, config, optimizer_config=None, log: Callable[[str], Non
     """CIERA's gather on every bucket of every wrapped chunk (before the first forward). Returns the
     number of buckets. ``optimizer_config`` and ``optimizer`` are unused (the shards' writes are
     learned from the model's own buffer)."""
-    from . import megatron_fsdp_patch as patch
+    from .upstream_patch import megatron_fsdp as patch
 
     n = 0
     for i, chunk in enumerate(model):

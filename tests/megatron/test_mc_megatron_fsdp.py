@@ -178,9 +178,9 @@ def test_megatron_fsdp_zero3_expert_parallel_bit_identical_with_ciera(nproc, gbs
     assert set(encodes(result).values()) == {1 + ITERS}
 
 
-# -- the version gate of megatron.ciera.megatron_fsdp_patch ----------------------------------------
+# -- the version gate of megatron.ciera.upstream_patch.megatron_fsdp ----------------------------------------
 def test_megatron_fsdp_patch_version_gate():
-    from megatron.ciera import megatron_fsdp_patch as patch
+    from megatron.ciera.upstream_patch import megatron_fsdp as patch
 
     patch.check_upstream()  # the installed megatron-core's methods are the checked ones
     changed = dict(patch.installed_digests(patch.UPSTREAM_METHODS))
@@ -199,7 +199,7 @@ def test_gathers_start_inside_the_coalescing_manager(tmp_path):
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _coalescing_manager
 
-    from megatron.ciera.megatron_fsdp_patch import _start_outside_coalescing
+    from megatron.ciera.upstream_patch.megatron_fsdp import _start_outside_coalescing
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)

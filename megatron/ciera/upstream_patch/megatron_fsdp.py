@@ -24,7 +24,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Callable, Mapping
 
-from .upstream_patch import UpstreamMethod, installed_digests, installed_version, upstream_changes
+from megatron.ciera.upstream_patch import UpstreamMethod, installed_digests, installed_version, upstream_changes
 
 __all__ = ["UPSTREAM_METHODS", "KNOWN_SOURCES", "check_upstream", "attach", "is_attached", "async_bucket_gather",
            "on_shard_written"]
@@ -71,7 +71,7 @@ def check_upstream(*, digests: Mapping[str, str] | None = None) -> None:
         raise RuntimeError(
             f"CIERA all-gather under Megatron-FSDP: megatron-core {installed_version()} changed methods the binding "
             "patches or relies on; re-check each, then record its digest in "
-            "megatron.ciera.megatron_fsdp_patch.KNOWN_SOURCES:\n  " + "\n  ".join(changes))
+            "megatron.ciera.upstream_patch.megatron_fsdp.KNOWN_SOURCES:\n  " + "\n  ".join(changes))
 
 
 def attach(pipeline, gather: Callable) -> None:

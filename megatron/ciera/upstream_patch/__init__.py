@@ -1,8 +1,10 @@
-"""Everything the gather binding does to megatron-core's objects, in one module, gated by version.
+"""Everything the gather bindings do to megatron-core's objects, in one place, gated by version.
 
-(The CPU-only shims are :mod:`megatron.ciera.cpu_compat`'s; the checkpoint workarounds carry their
-own gates.) :mod:`megatron.ciera.bucket_group` schedules the gathers on its own state and reaches
-megatron-core only through the functions here:
+This module patches the distributed optimizer's bucket groups; :mod:`.megatron_fsdp` patches
+Megatron-FSDP's gather pipeline, with its own list of upstream methods checked by the same gate
+(:func:`upstream_changes`). (The CPU-only shims are :mod:`megatron.ciera.cpu_compat`'s; the checkpoint
+workarounds carry their own gates.) :mod:`megatron.ciera.bucket_group` schedules the gathers on its
+own state and reaches megatron-core only through the functions here:
 
 * :func:`attach` shadows a bucket group's ``start_param_sync`` with :func:`start_param_sync` (an
   instance attribute, so ``finish_param_sync``, the prefetch chain and
