@@ -31,7 +31,8 @@ from tools.testbed.sim_testbed import MeasuredLink, probe_gloo, probe_link
 RUNS = {"baseline": ("FSDP2 all-gather", []),
         "exponents": ("--ciera (auto, cache exponents)", ["--ciera", "--cache", "exponents"]),
         "values": ("--ciera (auto, cache values)", ["--ciera", "--cache", "values"]),
-        "values-always": ("--ciera (always, cache values)", ["--ciera", "--cache", "values", "--selection", "always"])}
+        "values-always": ("--ciera (always, cache values)", ["--ciera", "--cache", "values", "--selection", "always"]),
+        "exponents-always": ("--ciera (always, cache exponents)", ["--ciera", "--cache", "exponents", "--selection", "always"])}
 ITER_MS = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
 SHA = re.compile(r"params sha256: ([0-9a-f]{64})")
 BYTES = re.compile(r"CIERA: ([0-9.]+) MiB raw -> ([0-9.]+) MiB on the wire")
