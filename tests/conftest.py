@@ -21,6 +21,11 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        no_gpu = pytest.mark.skip(reason="gpu: needs CUDA")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(no_gpu)
     if config.getoption("--runslow") or os.environ.get("CIERA_RUN_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="slow: run with --runslow or CIERA_RUN_SLOW=1")

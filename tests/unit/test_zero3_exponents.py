@@ -50,3 +50,18 @@ def test_special_values_and_strided_rows(dtype):
     seed_exponents(y[2:5], exps[2:5])
     assert torch.equal(_fields(y[2:5]), _fields(x[2:5]))
     assert torch.equal(as_bits(y[:2]), torch.zeros_like(as_bits(y[:2])))  # rows outside untouched
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_passes_write_what_the_cpu_passes_write(dtype):
+    x = torch.randn(4, 1 << 16).to(dtype)
+    exps = torch.empty(4, 1 << 16, dtype=torch.uint8)
+    store_exponents(x, exps)
+    gx, gexps = x.cuda(), torch.empty_like(exps, device="cuda")
+    store_exponents(gx, gexps)
+    assert torch.equal(gexps.cpu(), exps)
+    y, gy = torch.zeros_like(x), torch.zeros_like(gx)
+    seed_exponents(y[1:3], exps[1:3])
+    seed_exponents(gy[1:3], gexps[1:3])
+    assert torch.equal(as_bits(gy).cpu(), as_bits(y))
