@@ -171,8 +171,51 @@ def write(state: dict, *, root: str, iteration: int, queue=None) -> None:
         return
     request = dist_checkpointing.save(state, partial, content_metadata=dict(CONTENT_METADATA),
                                       async_sharded_save=True)
-    request.add_finalize_fn(lambda: publish(root=root, iteration=iteration))  # after megatron-core's metadata.json
+    # megatron-core takes a writer process that is gone for a finished one, even one killed by a
+    # signal: each rank's writer leaves a mark when its write returned, and nothing is published
+    # unless every rank's mark is there.
+    done = os.path.join(partial, f"{WRITER_DONE}{dist.get_rank()}")
+    if request.async_fn is not None:
+        request = request._replace(async_fn=_marking(request.async_fn, done))
+    else:  # nothing of this rank's to write in the background
+        open(done, "w").close()
+    request.add_finalize_fn(lambda: _publish_written(root=root, iteration=iteration, done=done))  # after metadata.json
     queue.schedule_async_request(request)
+
+
+WRITER_DONE = ".writer-done."
+"""Prefix of the mark a rank's background writer leaves in ``iter_N.incomplete`` when its write
+returned (removed before the checksums)."""
+
+
+class _marking:
+    """``fn`` then an empty file at ``path`` (picklable: megatron-core may send it to a worker)."""
+
+    def __init__(self, fn, path: str):
+        self.fn, self.path = fn, path
+
+    def __call__(self, *args, **kwargs):
+        out = self.fn(*args, **kwargs)
+        with open(self.path, "w"):
+            pass
+        return out
+
+
+def _publish_written(*, root: str, iteration: int, done: str) -> None:
+    """Collective: publish checkpoint ``iteration`` if every rank's background writer finished its
+    write; otherwise raise on every rank, naming the ranks (the previous checkpoint stays the latest;
+    the ``.incomplete`` folder is removed by the next run)."""
+    missing = torch.zeros(dist.get_world_size(), dtype=torch.int32,
+                          device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    missing[dist.get_rank()] = 0 if os.path.exists(done) else 1
+    dist.all_reduce(missing)
+    lost = [r for r, m in enumerate(missing.tolist()) if m]
+    if lost:
+        raise RuntimeError(f"checkpoint iteration {iteration}: the background writer of rank(s) {lost} ended "
+                           f"before finishing its write (killed?); it is not published, and the latest "
+                           f"checkpoint in {root} is still the previous one")
+    os.remove(done)
+    publish(root=root, iteration=iteration)
 
 
 def save(args: argparse.Namespace, *, iteration: int, model, optimizer, scheduler, flops_so_far: float = 0.0,
