@@ -23,6 +23,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from . import sharded_binding as shared
+
 __all__ = ["check_args", "wrap", "install", "after_optimizer_step", "invalidate_param_caches", "bucket_stats",
            "summary", "cache_bytes", "planned_cache_bytes"]
 
@@ -207,14 +209,13 @@ def install(model: list, config, optimizer_config=None, log: Callable[[str], Non
         setattr(chunk, _ATTR, gathers)
         n += sum(1 for _, unit in _units(chunk) if _unit_shard(unit, chunk.device_mesh.size())[0])
     if log is not None:
-        cache, sharded = planned_cache_bytes(model, config)
-        log(f"CIERA ZeRO-3 cache ({config.cache}): {_mib(cache)} per rank kept between gathers "
-            f"(the sharded parameters: {_mib(sharded)} per rank)")
+        planned, sharded = planned_cache_bytes(model, config)
+        shared.log_planned_cache(log, cache=config.cache, planned=planned, sharded=sharded)
     return n
 
 
 def _gathers(model) -> list:
-    return [g for chunk in model if (g := getattr(chunk, _ATTR, None)) is not None]
+    return shared.gathers_of(model, _ATTR)
 
 
 def after_optimizer_step(model, *, overlap_param_gather: bool = False) -> None:
@@ -223,8 +224,7 @@ def after_optimizer_step(model, *, overlap_param_gather: bool = False) -> None:
 
 def invalidate_param_caches(model) -> None:
     """After a checkpoint load: every unit's next gather is raw and refills the caches."""
-    for g in _gathers(model):
-        g.invalidate()
+    shared.invalidate(model, _ATTR)
 
 
 def bucket_stats(model) -> list[tuple[str, object]]:
@@ -241,19 +241,12 @@ def bucket_stats(model) -> list[tuple[str, object]]:
 def summary(model) -> str:
     """The closing summary: the units' counters as a table (``bucket_group.summary``'s), then the
     encodes per unit (one per optimizer step) and the cache measured."""
-    from .logging_utils import bucket_table
-
     encodes = ", ".join(f"{_short(name)} {gather.fresh_gathers}" for g in _gathers(model)
                         for name, gather in g.gathers.items() if gather.stats.gathers)
-    return (bucket_table(bucket_stats(model), "CIERA summary (bytes received by rank 0):")
-            + f"\nCIERA ZeRO-3 encodes per unit (one per optimizer step): {encodes}"
-            + f"\nCIERA ZeRO-3 cache: {_mib(cache_bytes(model))} per rank kept between gathers (measured)")
-
-
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.2f} MiB ({nbytes} bytes)"
+    return shared.summary(bucket_stats(model), encodes_title="CIERA ZeRO-3 encodes per unit", encodes=encodes,
+                          measured_cache=cache_bytes(model))
 
 
 def cache_bytes(model) -> int:
     """Bytes this rank keeps between gathers, measured (known after the first forward)."""
-    return sum(g.cache_bytes for g in _gathers(model))
+    return shared.cache_bytes(model, _ATTR)

@@ -26,6 +26,8 @@ from typing import Callable
 
 import torch
 
+from . import sharded_binding as shared
+
 __all__ = ["check_args", "wrap", "sync_params", "full_tensor", "install", "after_optimizer_step", "invalidate_param_caches",
            "bucket_stats", "summary", "cache_bytes", "planned_cache_bytes"]
 
@@ -224,15 +226,13 @@ def install(model: list, config, optimizer_config=None, log: Callable[[str], Non
         setattr(chunk, _ATTR, gathers)
         n += fsdp.all_gather_pipeline.num_buckets
     if log is not None:
-        cache, sharded = planned_cache_bytes(model, config)
-        if sharded:
-            log(f"CIERA ZeRO-3 cache ({config.cache}): {_mib(cache)} per rank kept between gathers "
-                f"(the sharded parameters: {_mib(sharded)} per rank)")
+        planned, sharded = planned_cache_bytes(model, config)
+        shared.log_planned_cache(log, cache=config.cache, planned=planned, sharded=sharded)
     return n
 
 
 def _gathers(model) -> list:
-    return [g for chunk in model if (g := getattr(chunk, _ATTR, None)) is not None]
+    return shared.gathers_of(model, _ATTR)
 
 
 def after_optimizer_step(model, *, overlap_param_gather: bool = False) -> None:
@@ -241,8 +241,7 @@ def after_optimizer_step(model, *, overlap_param_gather: bool = False) -> None:
 
 def invalidate_param_caches(model) -> None:
     """After a checkpoint load: every bucket's next gather is raw and refills the caches."""
-    for g in _gathers(model):
-        g.invalidate()
+    shared.invalidate(model, _ATTR)
 
 
 def bucket_stats(model) -> list[tuple[str, object]]:
@@ -253,18 +252,11 @@ def bucket_stats(model) -> list[tuple[str, object]]:
 def summary(model) -> str:
     """The closing summary: the buckets' counters as a table, the encodes per bucket (one per
     optimizer step) and the ZeRO-3 cache measured."""
-    from .logging_utils import bucket_table
-
     encodes = ", ".join(f"{g.prefix}bucket{i} {g.fresh(i)}" for g in _gathers(model) for i in sorted(g.gathers))
-    return (bucket_table(bucket_stats(model), "CIERA summary (bytes received by rank 0):")
-            + f"\nCIERA Megatron-FSDP encodes per bucket (one per optimizer step): {encodes}"
-            + f"\nCIERA ZeRO-3 cache: {_mib(cache_bytes(model))} per rank kept between gathers (measured)")
-
-
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.2f} MiB ({nbytes} bytes)"
+    return shared.summary(bucket_stats(model), encodes_title="CIERA Megatron-FSDP encodes per bucket",
+                          encodes=encodes, measured_cache=cache_bytes(model))
 
 
 def cache_bytes(model) -> int:
     """Bytes this rank keeps between ZeRO-3 gathers, measured (known after the first gathers)."""
-    return sum(g.cache_bytes for g in _gathers(model))
+    return shared.cache_bytes(model, _ATTR)

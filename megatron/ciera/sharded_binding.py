@@ -1,0 +1,44 @@
+"""What the two FSDP bindings (:mod:`megatron.ciera.fsdp2`, :mod:`megatron.ciera.megatron_fsdp`) share:
+finding their gathers on the wrapped chunks, invalidating them, the cache's figures and the lines
+that report them. Each binding keeps its gathers on a chunk attribute of its own (``attr``)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+def gathers_of(model, attr: str) -> list:
+    """The binding's gathers object of every chunk that has one, in chunk order."""
+    return [g for chunk in model if (g := getattr(chunk, attr, None)) is not None]
+
+
+def invalidate(model, attr: str) -> None:
+    """After a checkpoint load: every gather's next gather is raw and refills the caches."""
+    for g in gathers_of(model, attr):
+        g.invalidate()
+
+
+def cache_bytes(model, attr: str) -> int:
+    """Bytes this rank keeps between ZeRO-3 gathers, measured (known after the first gathers)."""
+    return sum(g.cache_bytes for g in gathers_of(model, attr))
+
+
+def mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f} MiB ({nbytes} bytes)"
+
+
+def log_planned_cache(log: Callable[[str], None] | None, *, cache: str, planned: int, sharded: int) -> None:
+    """The start-up line: the cache's bytes per rank beside the sharded parameters'."""
+    if log is not None and sharded:
+        log(f"CIERA ZeRO-3 cache ({cache}): {mib(planned)} per rank kept between gathers "
+            f"(the sharded parameters: {mib(sharded)} per rank)")
+
+
+def summary(stats: list, *, encodes_title: str, encodes: str, measured_cache: int) -> str:
+    """The closing summary: the counters as a table (``bucket_group.summary``'s), the encodes (one
+    per optimizer step) and the cache measured."""
+    from .logging_utils import bucket_table
+
+    return (bucket_table(stats, "CIERA summary (bytes received by rank 0):")
+            + f"\n{encodes_title} (one per optimizer step): {encodes}"
+            + f"\nCIERA ZeRO-3 cache: {mib(measured_cache)} per rank kept between gathers (measured)")
