@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import itertools
 import logging
 import time
 from typing import Sequence
@@ -299,9 +300,7 @@ class CieraAllGather:
             if self._recv.numel() < need:  # grows at agreements only, with 1/8 slack against regrowth
                 self._recv = torch.empty(align_up(need + need // 8), dtype=torch.uint8, device=self.buffer.device)
             if plan.sizes:  # the other ranks' payloads at their exclusive prefix sums
-                starts = [0]
-                for b in plan.sizes[:-1]:
-                    starts.append(starts[-1] + b)
+                starts = list(itertools.accumulate(plan.sizes[:-1], initial=0))
                 self._offsets_host.numpy()[:] = [starts[r] for r in range(self.world) if r != self.rank]
                 self._offsets.copy_(self._offsets_host)  # at the agreement, whose table read synced already
             else:

@@ -89,12 +89,7 @@ class Zero3Gather:
         every time (it is the cache); otherwise a new one the engine may free."""
         if self.config.cache != "values" or dtype not in FORMATS:
             return torch.empty(numel, dtype=dtype, device=device)
-        if self._values is None:
-            self._values = torch.empty(numel, dtype=dtype, device=device)
-        elif self._values.numel() != numel or self._values.dtype != dtype:
-            raise ValueError(f"{self.name}: the engine asked for {numel} {dtype} values after "
-                             f"{self._values.numel()} {self._values.dtype}: one Zero3Gather serves one parameter group")
-        return self._values
+        return self._persistent(numel=numel, dtype=dtype, device=device)
 
     def gather(self, *, output: torch.Tensor, input: torch.Tensor, group=None) -> None:
         """``output`` becomes ``all_gather_into_tensor(output, input)``, bit for bit:
@@ -119,11 +114,12 @@ class Zero3Gather:
         if world == 1 or output.dtype not in FORMATS or not self._compresses():
             work = all_gather_into(output, input, group=group, async_op=True)
             self._count_plain(output)
-            self._handle = Zero3Handle(self, work=work)
+            self._handle = Zero3Handle(work=work)
             return self._handle
         rank = dist.get_rank(group)
         n = input.numel()
-        buffer = output if self.config.cache != "values" else self._values_for(output)
+        buffer = output if self.config.cache != "values" else self._persistent(
+            numel=output.numel(), dtype=output.dtype, device=output.device)
         own = buffer.view(world, n)[rank]
         if own.data_ptr() != input.data_ptr():
             own.copy_(input)
@@ -146,7 +142,7 @@ class Zero3Gather:
         if fresh:
             self.fresh_gathers += 1
             self._fresh = False
-        self._handle = Zero3Handle(self, work=self._inner.start(), finish=lambda: self._finish(
+        self._handle = Zero3Handle(work=self._inner.start(), finish=lambda: self._finish(
             buffer=buffer, output=output, own=own, replayed=replayed))
         return self._handle
 
@@ -202,14 +198,14 @@ class Zero3Gather:
         return s
 
     # -- internals --------------------------------------------------------------------------------------
-    def _values_for(self, output: torch.Tensor) -> torch.Tensor:
-        """The persistent buffer of ``cache='values'`` (the output itself when it came from
-        :meth:`allocate`)."""
+    def _persistent(self, *, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The persistent buffer of ``cache='values'``: made on first use, the same one after (when
+        the engine's output did not come from :meth:`allocate`, the gather copies into it)."""
         if self._values is None:
-            self._values = torch.empty_like(output)
-        elif self._values.numel() != output.numel() or self._values.dtype != output.dtype:
-            raise ValueError(f"{self.name}: {output.numel()} {output.dtype} values after "
-                             f"{self._values.numel()} {self._values.dtype}: one Zero3Gather serves one parameter group")
+            self._values = torch.empty(numel, dtype=dtype, device=device)
+        elif self._values.numel() != numel or self._values.dtype != dtype:
+            raise ValueError(f"{self.name}: {numel} {dtype} values after {self._values.numel()} "
+                             f"{self._values.dtype}: one Zero3Gather serves one parameter group")
         return self._values
 
     def _build(self, buffer: torch.Tensor) -> None:
@@ -225,11 +221,8 @@ class Zero3Gather:
             self._exps = torch.empty(world, n, dtype=torch.uint8, device=buffer.device)
         if self._inner.rank == 0:
             logger.info("%s: ZeRO-3 gather of %d x %d %s values, cache=%s: %.1f MiB per rank kept between gathers",
-                        self.name, world, n, buffer.dtype, config.cache, self._planned_cache_bytes(world, n, buffer) / 2**20)
-
-    def _planned_cache_bytes(self, world: int, n: int, buffer: torch.Tensor) -> int:
-        per_value = buffer.element_size() if self.config.cache == "values" else 1
-        return world * n * per_value + n * buffer.element_size()
+                        self.name, world, n, buffer.dtype, config.cache,
+                        cache_bytes_per_rank(numel=world * n, world=world, dtype=buffer.dtype, cache=config.cache) / 2**20)
 
     def _seed(self, buffer: torch.Tensor) -> None:
         """The other ranks' slots of a fresh buffer get their cached exponents: all
@@ -253,8 +246,8 @@ class Zero3Gather:
 class Zero3Handle:
     """Returned by :meth:`Zero3Gather.start`; :meth:`wait` completes the gather. Idempotent."""
 
-    def __init__(self, owner: Zero3Gather, *, work, finish=None):
-        self._owner, self._work, self._finish = owner, work, finish
+    def __init__(self, *, work, finish=None):
+        self._work, self._finish = work, finish
         self.done = False
 
     def wait(self) -> None:
