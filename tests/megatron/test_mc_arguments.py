@@ -4,19 +4,14 @@ arithmetic, --ciera-* -> CieraConfig, the configs a GPU node would build."""
 import pytest
 import torch
 
+from flag_args import TINY_FLAGS, parse_and_validate
 from megatron.ciera import arguments
 
-BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-        "--lr", "1e-4", "--micro-batch-size", "2", "--train-iters", "5", "--mock-data",
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", "255", "--use-distributed-optimizer", "--bf16"]
+BASE = [*TINY_FLAGS, "--use-distributed-optimizer"]
 
 
 def parse(extra, world=1, argv_base=BASE, **kw):
-    argv = argv_base + extra
-    parser = arguments.build_parser()
-    args = parser.parse_args(argv)
-    args.explicit = arguments.explicit_dests(parser, argv)
-    return arguments.validate_args(args, world_size=world, **kw)
+    return parse_and_validate(argv_base + extra, world=world, **kw)
 
 
 def error(extra, world=1, **kw):

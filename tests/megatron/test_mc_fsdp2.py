@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from flag_args import TINY_FLAGS, parse_and_validate
 from megatron.ciera import arguments
 from megatron.ciera.launch import run_pretrain
 
@@ -139,18 +140,12 @@ def test_fsdp2_fp16_skipped_steps_encode_nothing():
 
 
 # -- the flags: upstream's rules for --use-torch-fsdp2 and --ciera-cache ---------------------------
-ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-        "--lr", "1e-4", "--micro-batch-size", "2", "--train-iters", "5", "--mock-data", "--tokenizer-type",
-        "NullTokenizer", "--vocab-size", "255", "--bf16", "--use-torch-fsdp2", "--no-gradient-accumulation-fusion",
+ARGS = [*TINY_FLAGS, "--use-torch-fsdp2", "--no-gradient-accumulation-fusion",
         "--untie-embeddings-and-output-weights", "--device", "cpu"]
 
 
 def parse(extra, base=ARGS):
-    argv = base + extra
-    parser = arguments.build_parser()
-    args = parser.parse_args(argv)
-    args.explicit = arguments.explicit_dests(parser, argv)
-    return arguments.validate_args(args, world_size=2)
+    return parse_and_validate(base + extra, world=2)
 
 
 def test_fsdp2_flags_map_onto_the_ciera_config():

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from flag_args import TINY_FLAGS, parse_and_validate
 from megatron.ciera import arguments
 from megatron.ciera.launch import run_pretrain
 
@@ -101,18 +102,12 @@ def test_megatron_fsdp_zero1_zero2_bit_identical_with_ciera(name):
 
 
 # -- the flags: upstream's rules for --use-megatron-fsdp ------------------------------------------
-ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-        "--lr", "1e-4", "--micro-batch-size", "2", "--train-iters", "5", "--mock-data", "--tokenizer-type",
-        "NullTokenizer", "--vocab-size", "255", "--bf16", "--use-megatron-fsdp", "--use-distributed-optimizer",
+ARGS = [*TINY_FLAGS, "--use-megatron-fsdp", "--use-distributed-optimizer",
         "--no-gradient-accumulation-fusion", "--device", "cpu"]
 
 
 def parse(extra, base=ARGS):
-    argv = base + extra
-    parser = arguments.build_parser()
-    args = parser.parse_args(argv)
-    args.explicit = arguments.explicit_dests(parser, argv)
-    return arguments.validate_args(args, world_size=2)
+    return parse_and_validate(base + extra, world=2)
 
 
 def test_megatron_fsdp_flags_accepted():
