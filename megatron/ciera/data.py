@@ -11,6 +11,9 @@
   Evaluation ``k`` (the k-th call of the run, counted from iteration 0) reads the valid samples
   ``[k x eval_iters x gbs, (k + 1) x eval_iters x gbs)``, so resumed and uninterrupted runs report
   the same validation loss.
+* The dataset's own flags (``--reset-position-ids``, ``--reset-attention-mask``, ``--eod-mask-loss``,
+  ``--no-create-attention-mask-in-dataloader``, ``--no-mmap-bin-files``) reach megatron-core's
+  ``GPTDatasetConfig``, whose fields :func:`dataset_config_kwargs` reads off the dataclass.
 * Loading runs in a ``torch.utils.data.DataLoader`` with ``--num-workers`` worker processes
   (prefetching 2 micro batches each), pinned memory on CUDA.
 """
@@ -165,6 +168,43 @@ def check_splits(args: argparse.Namespace) -> None:
                     raise SystemExit(f"--{name}-data-path {prefix} holds no documents")
 
 
+# GPTDatasetConfig fields whose flag has another name (upstream's pretrain_gpt.py pairs them so);
+# every other field is read from the flag of its own name, when there is one.
+_FLAG_OF_FIELD = {
+    "random_seed": "seed", "sequence_length": "seq_length", "path_to_cache": "data_cache_path",
+    "create_attention_mask": "create_attention_mask_in_dataloader",
+    "fast_cache_load": "dataloader_fast_cache_load", "defer_npy_index_mmap": "dataloader_defer_npy_index_mmap",
+}
+# Fields :func:`build_datasets` sets from more than one flag (the blend, the split, the tokenizer).
+_SET_BY_BUILDER = frozenset({"blend", "blend_per_split", "split", "tokenizer"})
+
+DATASET_FLAGS = ("mmap_bin_files", "reset_position_ids", "reset_attention_mask", "eod_mask_loss",
+                 "create_attention_mask_in_dataloader")
+"""Flags honoured through megatron-core's ``GPTDatasetConfig`` (beyond the data source and split):
+``--no-mmap-bin-files``, ``--reset-position-ids``, ``--reset-attention-mask``, ``--eod-mask-loss``,
+``--[no-]create-attention-mask-in-dataloader``. Other config fields take the value of their flag,
+which :mod:`megatron.ciera.flag_policy` keeps at upstream's default."""
+
+
+def dataset_config_kwargs(args: argparse.Namespace, *, tokenizer) -> dict:
+    """Keyword arguments of megatron-core's ``GPTDatasetConfig`` from ``args``, read off the
+    dataclass's own fields (a field of a newer release follows its flag without a change here);
+    the blend and split are :func:`build_datasets`'s."""
+    import dataclasses
+
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+
+    kwargs = {"tokenizer": tokenizer}
+    fields = [f for f in dataclasses.fields(GPTDatasetConfig) if f.init and f.name not in _SET_BY_BUILDER]
+    for field in fields:
+        flag = _FLAG_OF_FIELD.get(field.name, field.name)
+        if hasattr(args, flag):
+            kwargs[field.name] = getattr(args, flag)
+    if any(f.name == "sequence_parallel_size" for f in fields):  # upstream: the TP size under sequence parallelism
+        kwargs["sequence_parallel_size"] = args.tensor_model_parallel_size * bool(args.sequence_parallel)
+    return kwargs
+
+
 def build_datasets(args: argparse.Namespace, tokenizer) -> list:
     """``[train, valid, test]`` GPT datasets (``None`` for a split that is not read: no evaluation,
     a zero ``--split`` proportion or no ``--valid/test-data-path``)."""
@@ -176,19 +216,8 @@ def build_datasets(args: argparse.Namespace, tokenizer) -> list:
     per_split = None
     if args.train_data_path:
         per_split = [_blend(p) if p else None for p in (args.train_data_path, args.valid_data_path, args.test_data_path)]
-    config = GPTDatasetConfig(
-        random_seed=args.seed,
-        sequence_length=args.seq_length,
-        blend=_blend(args.data_path) if args.data_path else None,
-        blend_per_split=per_split,
-        split=None if per_split else args.split,
-        path_to_cache=args.data_cache_path,
-        tokenizer=tokenizer,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        create_attention_mask=False,
-    )
+    config = GPTDatasetConfig(**dataset_config_kwargs(args, tokenizer=tokenizer), blend=_blend(args.data_path) if args.data_path else None,
+                              blend_per_split=per_split, split=None if per_split else args.split)
     if per_split is None:
         # A split nobody reads is not built (its documents stay out of training, as in Megatron-LM).
         config.split_matrix = [m if need else None for m, need in zip(config.split_matrix, sizes)]
@@ -199,12 +228,14 @@ def build_datasets(args: argparse.Namespace, tokenizer) -> list:
     return [d if need else None for d, need in zip(datasets, sizes)]
 
 
-KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
 
 
 def collate(items: list[dict]) -> dict:
-    """Stack the fields the forward step reads into ``[micro_batch, seq]`` tensors."""
-    return {k: torch.stack([torch.as_tensor(it[k]) for it in items]) for k in KEYS}
+    """Stack the fields the forward step reads into ``[micro_batch, ...]`` tensors: tokens,
+    labels, loss mask and position ids ``[micro_batch, seq]``; the attention mask ``[micro_batch,
+    1, seq, seq]`` (True: masked) where the dataset made one (``--create-attention-mask-in-dataloader``)."""
+    return {k: torch.stack([torch.as_tensor(it[k]) for it in items]) for k in KEYS if k in items[0]}
 
 
 @dataclass(frozen=True)

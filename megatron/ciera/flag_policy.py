@@ -18,6 +18,12 @@ names, types and defaults). What happens to its value is decided here, by :func:
     Not implemented: setting it to anything but upstream's default is a start-up error naming the
     flag and the reason. Every flag that is neither a config field nor listed below is rejected
     with :data:`DEFAULT_REASON` (leaving it at upstream's default is harmless and accepted).
+
+Inert flags: a flag whose effect upstream depends on another flag (``Policy.needs``, e.g.
+``--use-persistent-ckpt-worker`` only picks the writer of ``--async-save``) is accepted at any value
+while every flag it needs is at upstream's default, and does nothing, as upstream; the run names it
+at start-up. With a flag it needs set, its own kind above decides. "Not implemented" (``rejected``)
+is for flags that would change what the run computes or writes.
 """
 
 from __future__ import annotations
@@ -39,6 +45,11 @@ class Policy:
     """``honoured``, ``gpu``, ``feature:<name>`` or ``rejected``."""
     reason: str = ""
     """Why (rejected), what runs instead on CPU (gpu), or why a feature flag needs no code of its own."""
+    needs: tuple[str, ...] = ()
+    """Dests of the flags this one acts with upstream: while each is at upstream's default the flag
+    is accepted at any value and inert (empty: it acts on its own)."""
+    inert_reason: str = ""
+    """Why the flag does nothing without ``needs`` (upstream's meaning), for the table and the log."""
 
 
 def _feature(name, reason=""):
@@ -70,6 +81,8 @@ _HONOURED = {
     "rope_type", "moe_latent_size", "local_rank", "accumulate_allreduce_grads_in_fp32", "grad_reduce_in_bf16",
     "use_torch_fsdp2", "torch_fsdp2_reshard_after_forward",  # megatron.ciera.fsdp2
     "use_megatron_fsdp",  # megatron.ciera.megatron_fsdp
+    "squared_relu",  # model.transformer_config's activation, as upstream
+    "enable_experimental",  # training.train sets megatron-core's experimental flag, as upstream
 }
 
 # Kernel / fusion / backend choices: honoured on GPU, the plain path on CPU.
@@ -87,6 +100,25 @@ _GPU = {
     "async_tensor_model_parallel_allreduce", "moe_shared_expert_overlap", "disable_bf16_reduced_precision_matmul",
     "use_fused_weighted_squared_relu", "empty_unused_memory_level", "fp8_format", "moe_deepep_num_sms",
     "moe_enable_deepep", "use_te_rng_tracker", "inference_rng_tracker", "calculate_per_token_loss_kernel",
+    "use_transformer_engine_op_fuser", "cuda_graph_modules",
+}
+
+# Flags whose effect upstream depends on other flags (dests): inert while those are at upstream's
+# default (read from upstream's arguments.py / training config at the release of the table).
+_INERT_WITHOUT = {
+    "use_persistent_ckpt_worker": (("async_save",), "picks the background writer of --async-save"),
+    "async_strategy": (("async_save",), "picks the implementation of --async-save (upstream sets mcore without it)"),
+    "async_ckpt_use_cpu_shm": (("async_save",), "how --async-save hands tensors to its writer"),
+    "async_ckpt_cpu_priority": (("async_save",), "the nice value of --async-save's writer"),
+    "async_ckpt_io_priority": (("async_save",), "the I/O class of --async-save's writer"),
+    "profile_step_start": (("profile",), "the first profiled iteration of --profile"),
+    "profile_step_end": (("profile",), "the last profiled iteration of --profile"),
+    "profile_ranks": (("profile",), "the ranks --profile profiles"),
+    "use_pytorch_profiler": (("profile",), "the profiler --profile runs"),
+    "nvtx_ranges": (("profile",), "NVTX ranges for --profile's nsys capture"),
+    "verify_integrity": (("save", "load"), "hashes the files --save writes and checks them on --load"),
+    "save_retain_interval": (("save",), "which checkpoints of --save are kept"),
+    "non_persistent_save_interval": (("save",), "local checkpoints next to --save's"),
 }
 
 _REJECTED = {
@@ -133,11 +165,12 @@ def _config_fields() -> frozenset:
 
 @functools.lru_cache(maxsize=None)
 def _feature_honoured() -> frozenset:
-    """Dests the feature modules honour (:data:`megatron.ciera.feature_args.HONOURED_FLAGS`, and the
-    tokenizer flags :func:`megatron.ciera.data.build_tokenizer` reads)."""
+    """Dests the feature modules honour (:data:`megatron.ciera.feature_args.HONOURED_FLAGS`, the
+    dataset-config flags :data:`megatron.ciera.data.DATASET_FLAGS`, and the tokenizer flags :func:`megatron.ciera.data.build_tokenizer` reads)."""
+    from .data import DATASET_FLAGS
     from .feature_args import HONOURED_FLAGS
 
-    return frozenset(HONOURED_FLAGS) | {"tokenizer_type", "tokenizer_model", "vocab_file", "merge_file",
+    return frozenset(HONOURED_FLAGS) | set(DATASET_FLAGS) | {"tokenizer_type", "tokenizer_model", "vocab_file", "merge_file",
                                         "logging_level"} | set(_CHECKPOINT_AS_UPSTREAM) | set(_CHECKPOINT_HONOURED)
 
 
@@ -164,7 +197,15 @@ _CHECKPOINT_HONOURED = {
 
 @functools.lru_cache(maxsize=None)
 def policy(dest: str) -> Policy:
-    """The policy of the flag with this argparse dest."""
+    """The policy of the flag with this argparse dest (with the flags it needs, if any)."""
+    pol = _own_policy(dest)
+    if dest in _INERT_WITHOUT:
+        needs, why = _INERT_WITHOUT[dest]
+        return dataclasses.replace(pol, needs=needs, inert_reason=why)
+    return pol
+
+
+def _own_policy(dest: str) -> Policy:
     if dest.startswith("ciera_") or dest in ("device", "log_interval"):
         return _H
     if dest in _REJECTED:
@@ -193,5 +234,6 @@ if __name__ == "__main__":  # python -m megatron.ciera.flag_policy: the whole ta
 
     rows = table()
     for option, pol in rows:
-        print(f"{option:55s} {pol.kind:20s} {pol.reason}")
+        inert = f" [inert without {', '.join(pol.needs)}: {pol.inert_reason}]" if pol.needs else ""
+        print(f"{option:55s} {pol.kind:20s} {pol.reason}{inert}")
     print(dict(collections.Counter(pol.kind for _, pol in rows)))

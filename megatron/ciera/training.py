@@ -126,7 +126,9 @@ def _forward_step(data_iterator, model):
         from .cp_attention import batch_on_this_cp_rank
 
         batch = batch_on_this_cp_rank(batch)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    # The attention mask only where the dataset made one (--create-attention-mask-in-dataloader, upstream's
+    # default); without it the attention builds its causal mask itself.
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
     return output, partial(_loss_func, batch["loss_mask"])
 
 
@@ -198,6 +200,8 @@ def _save_snapshot(model, args, iteration):
 def _report_cpu_ignored(args) -> None:
     if args.cpu_ignored:
         _print0(f"CPU run: GPU-only choices not applied (the local/unfused path runs): {', '.join(args.cpu_ignored)}")
+    if getattr(args, "upstream_inert", None):
+        _print0(f"note: {', '.join(args.upstream_inert)}: no effect here, as in Megatron-LM (the flag it acts with is off)")
     if getattr(args, "ciera_inert", None):
         _print0(f"note: {', '.join(args.ciera_inert)}: no effect without --ciera-allgather (Megatron's own "
                 "parameter all-gather runs)")
@@ -429,6 +433,10 @@ def train(args, *, watchdogs: list | None = None) -> str:
         logging.getLogger().setLevel(args.logging_level)
     logging_utils.check_writer_packages(args)
     parallel.initialize(args)
+    if args.enable_experimental:  # as upstream: megatron-core's features marked experimental may run
+        from megatron.core.config import set_experimental_flag
+
+        set_experimental_flag(True)
     if watchdogs is not None:
         watchdogs.append(watchdog_lib.Watchdog(timeout_s=60.0 * args.distributed_timeout_minutes).start())
     _log_selection_decisions(args)
