@@ -222,8 +222,13 @@ def _te_installed() -> bool:
 
 def _check_policies(args, err) -> list[str]:
     """Rejected flags set to a non-default value are errors; returns the GPU-only flags set to a
-    non-default value (reported on CPU)."""
+    non-default value (reported on CPU). Flags inert without the flags they need (all of those at
+    upstream's default) are accepted and listed in ``args.upstream_inert`` (named at start-up)."""
     gpu_only, seen = [], set(feature_dests())  # the feature flags are checked by feature_args
+    defaults = {}
+    for flag in upstream_flags():
+        defaults.setdefault(flag["dest"], _upstream_default(flag))
+    args.upstream_inert = []
     for flag in upstream_flags():
         if flag["dest"] in seen:  # a dest two flags share takes the first one's default
             continue
@@ -232,6 +237,9 @@ def _check_policies(args, err) -> list[str]:
         if value == _upstream_default(flag):
             continue
         pol = flag_policy.policy(flag["dest"])
+        if pol.needs and all(getattr(args, need, None) == defaults.get(need) for need in pol.needs):
+            args.upstream_inert.append(f"{flag['options'][0]} ({pol.inert_reason})")
+            continue
         if pol.kind == flag_policy.REJECTED:
             err(f"{flag['options'][0]}: {pol.reason}")
         elif pol.kind == flag_policy.GPU:
@@ -306,6 +314,8 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None, *, de
 
     if args.bf16 and args.fp16:
         err("--bf16 and --fp16 are mutually exclusive")
+    if args.squared_relu and args.swiglu:
+        err("--squared-relu and --swiglu are exclusive (two activations; as in Megatron-LM)")
     if args.bf16 and args.accumulate_allreduce_grads_in_fp32 and args.main_grads_dtype != "fp32":
         err("--accumulate-allreduce-grads-in-fp32 needs --main-grads-dtype fp32 (as in Megatron-LM)")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
@@ -560,6 +570,13 @@ def _check_model(args, err) -> None:
             err(f"--moe-router-topk {args.moe_router_topk} must be in [1, --num-experts {args.num_experts}]")
         if isinstance(args.moe_layer_freq, list) and len(args.moe_layer_freq) != args.num_layers:
             err(f"--moe-layer-freq gives {len(args.moe_layer_freq)} layers, --num-layers is {args.num_layers}")
+        if args.transformer_impl == "local" and args.add_bias_linear:
+            # megatron-core's local SequentialMLP adds the expert bias in place onto the output of
+            # the row-parallel reduce (a custom autograd Function): autograd refuses it at the first
+            # forward. transformer-engine's expert linears return fresh tensors and train.
+            err("--num-experts with biased linears under --transformer-impl local (the CPU path): "
+                "megatron-core's local experts fail in their first forward with a bias; give "
+                "--disable-bias-linear, or run with transformer-engine")
     for name in ("moe_aux_loss_coeff", "moe_router_load_balancing_type"):  # nargs='+': one value is a scalar
         value = getattr(args, name)
         if isinstance(value, list) and len(value) == 1:

@@ -118,6 +118,8 @@ def test_ciera_tuning_flags_without_ciera_allgather_are_inert():
     (["--ciera-allgather", "--ciera-block-size", "3"], 1, "block_size=3 must be a power of two"),
     (["--ciera-snapshot-dir", "/tmp/s"], 1, "--ciera-snapshot-dir and --ciera-snapshot-interval go together"),
     (["--save-interval", "5"], 1, "--save-interval needs --save"),
+    (["--num-experts", "4", "--moe-token-dispatcher-type", "alltoall"], 1,
+     "--num-experts with biased linears under --transformer-impl local (the CPU path)"),
 ])
 def test_errors_name_the_flags_and_numbers(extra, world, needle):
     assert needle in error(extra, world)
@@ -199,7 +201,7 @@ def test_rejected_flag_at_its_default_value_is_accepted():
 
 
 def test_cpu_reports_gpu_only_flags_and_runs_the_local_path():
-    args = parse(["--moe-grouped-gemm", "--num-experts", "4", "--no-masked-softmax-fusion",
+    args = parse(["--moe-grouped-gemm", "--num-experts", "4", "--disable-bias-linear", "--no-masked-softmax-fusion",
                   "--attention-backend", "flash", "--transformer-impl", "transformer_engine"], device="cpu")
     assert args.transformer_impl == "local" and args.distributed_backend == "gloo"
     assert {"--moe-grouped-gemm", "--no-masked-softmax-fusion", "--attention-backend",
@@ -244,7 +246,7 @@ def test_schedule_in_samples_and_warmup_fraction():
 
 def test_layouts_fill_derived_sizes():
     args = parse(["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
-                  "--num-layers-per-virtual-pipeline-stage", "1", "--num-experts", "4",
+                  "--num-layers-per-virtual-pipeline-stage", "1", "--num-experts", "4", "--disable-bias-linear",
                   "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
                   "--global-batch-size", "8"], world=8)
     assert (args.data_parallel_size, args.expert_data_parallel_size, args.virtual_pipeline_model_parallel_size) == (2, 2, 1)
