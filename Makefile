@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-demo native demo test test-all bench bench-codec test-megatron-latest testbed-setup demo-cluster bench-cluster
+.PHONY: setup setup-demo native demo test test-all bench bench-codec setup312 test-latest testbed-setup demo-cluster bench-cluster
 
 # Two levels of set-up in one .venv:
 #   setup-demo  torch==2.13.0 (CPU) + megatron-core + matplotlib: the demos, the launch scripts, the tools
@@ -67,17 +67,29 @@ bench-cluster: setup
 	$(BIN)/python tools/testbed/bench_cluster.py --autogroup-nice -19 --experts 32 --bucket-size 2000000 \
 	  --out-dir outputs/bench-cluster
 
-# The Megatron tests on the newest megatron-core (needs Python >= 3.12; torch for 3.12 comes from
-# PyPI as its default CUDA build, which runs on CPU). Separate venv; CI stays on 0.16.1 / 3.11.
+# The second stack: megatron-core 0.19.2 (needs Python >= 3.12; torch for 3.12 comes from PyPI as its
+# default CUDA build, which runs on CPU). Its own venv, stamped like .venv; CI runs its tests from
+# .ci/run (`make test-latest`), not from `make test`.
 PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
 VENV312 ?= .venv312
-test-megatron-latest:
+TORCH312 ?= 2.14.1
+MCORE312 ?= 0.19.2
+setup312: $(VENV312)/.installed $(VENV312)/.native
+
+$(VENV312)/.installed: setup.py
 	$(PYTHON312) -m venv $(VENV312)
 	$(VENV312)/bin/python -m pip install -q --upgrade pip setuptools wheel
-	$(VENV312)/bin/python -m pip install -q --upgrade torch megatron-core
+	$(VENV312)/bin/python -m pip install -q torch==$(TORCH312) megatron-core==$(MCORE312)
 	$(VENV312)/bin/python -m pip install -q -e '.[triton,dev]'
 	$(VENV312)/bin/python -c "import megatron.core, torch; print('megatron-core', megatron.core.__version__, 'torch', torch.__version__)"
-	$(VENV312)/bin/python -m pytest -q tests/megatron
+	touch $@ $(VENV312)/.native
+
+# The native codecs for Python 3.12 (their own .so beside .venv's), rebuilt when the C source changes.
+$(VENV312)/.native: $(NATIVE_SRC) | $(VENV312)/.installed
+	@[ -e $@ ] && [ -z "$$(find $(NATIVE_SRC) -newer $@)" ] || { $(VENV312)/bin/python setup.py -q build_ext --inplace && touch $@; }
+
+test-latest: setup312
+	$(VENV312)/bin/python -m pytest -q tests/megatron tests/distributed
 
 # The codec table in one command: reference vs native (1 and 2 threads) vs ZipNN and zstd,
 # wall and CPU clocks, with a verdict line per target.

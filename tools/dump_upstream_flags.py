@@ -9,7 +9,9 @@ installed megatron-core (the table in the repo: tag ``core_v0.16.1``):
     python tools/dump_upstream_flags.py /tmp/up016 core_v0.16.1
     python3.12 tools/dump_upstream_flags.py /tmp/up019 core_v0.19.0 megatron/ciera/upstream_flags_core_v0.19.0.json
 
-(0.17+ needs Python 3.12 and that megatron-core installed: ``make test-megatron-latest``'s venv.)
+(0.17+ needs Python 3.12 and that megatron-core installed: ``make setup312``'s ``.venv312``. From
+0.17 on the wheel ships ``megatron/training`` itself, so its site-packages directory also serves as
+the checkout; ``tests/megatron/test_mc_flag_table.py`` dumps it that way and compares with the table.)
 
 Only upstream's parser is executed (``add_megatron_arguments`` on a fresh ArgumentParser); no code
 of it is copied. Types are recorded by name (int/float/str/bool) or ``"custom"`` for upstream's
