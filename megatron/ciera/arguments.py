@@ -20,7 +20,7 @@ import os
 import re
 from pathlib import Path
 
-from . import flag_policy
+from . import flag_policy, profiling
 from .data import TOKENIZERS as _TOKENIZERS
 from .feature_args import (add_checkpoint_eval_data_logging_args, feature_dests,
                            validate_checkpoint_eval_data_logging_args)
@@ -360,6 +360,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None, *, de
     if args.tokenizer_type not in _TOKENIZERS:
         err(f"--tokenizer-type {args.tokenizer_type}: this entry point builds {', '.join(_TOKENIZERS)}")
     validate_checkpoint_eval_data_logging_args(args, err)
+    profiling.check_args(args, err)
     if args.log_interval < 1:
         err(f"--log-interval {args.log_interval} must be >= 1")
     if args.distributed_timeout_minutes is not None and args.distributed_timeout_minutes <= 0:

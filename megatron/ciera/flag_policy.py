@@ -81,6 +81,8 @@ _HONOURED = {
     "rope_type", "moe_latent_size", "local_rank", "accumulate_allreduce_grads_in_fp32", "grad_reduce_in_bf16",
     "use_torch_fsdp2", "torch_fsdp2_reshard_after_forward",  # megatron.ciera.fsdp2
     "use_megatron_fsdp",  # megatron.ciera.megatron_fsdp
+    "profile", "profile_step_start", "profile_step_end", "profile_ranks", "use_pytorch_profiler",  # .profiling
+    "pytorch_profiler_collect_shapes", "pytorch_profiler_collect_callstack",
     "squared_relu",  # model.transformer_config's activation, as upstream
     "enable_experimental",  # training.train sets megatron-core's experimental flag, as upstream
 }
@@ -130,6 +132,9 @@ _REJECTED = {
     "fp4": "FP4 training is not supported",
     "optimizer_cpu_offload": "optimizer CPU offload is not supported",
     "use_precision_aware_optimizer": "the precision-aware optimizer is not supported",
+    "pytorch_profiler_collect_chakra": "Chakra execution traces are not written (--use-pytorch-profiler's "
+                                       "chrome trace is)",
+    "nvtx_ranges": "NVTX ranges inside the model are not emitted (--profile's capture range is)",
 }
 
 # The feature modules' flag families (see the module docstring).

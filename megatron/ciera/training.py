@@ -34,7 +34,7 @@ import torch.distributed as dist
 from . import bucket_group
 from . import fsdp2 as fsdp2_binding
 from . import megatron_fsdp
-from . import checkpointing, data, evaluation, failfast, logging_utils, parallel, timers, upstream_notices
+from . import checkpointing, data, evaluation, failfast, logging_utils, parallel, profiling, timers, upstream_notices
 from . import model as model_lib
 from . import watchdog as watchdog_lib
 from .arguments import ciera_config_from_args, parse_args
@@ -261,6 +261,7 @@ class _Run:
         self.flops_per_iteration = logging_utils.flops_per_iteration(args)
         self.async_saves = checkpointing.async_queue(args)  # --async-save (None without)
         self.faults = failfast.FaultPlan.from_env()  # CIERA_FAULT_INJECT (tests); None normally
+        self.profiler = profiling.StepProfiler.from_args(args, rank=dist.get_rank())  # --profile (None without)
 
 
 def _train_step(run: _Run, batches):
@@ -404,7 +405,11 @@ def _train_loop(run: _Run) -> bool:
     for chunk in run.model:
         chunk.train()
     while run.iteration < args.train_iters:
+        if run.profiler is not None:
+            run.profiler.before_step(run.iteration)
         grad_norm, num_zeros = _train_step(run, batches)
+        if run.profiler is not None:
+            run.profiler.after_step(run.iteration)
         failfast.inject_after_step(run.faults, rank=dist.get_rank(), iteration=run.iteration)
         with failfast.explain_save_errors(args.save):
             checkpointing.finalize_async_saves(run.async_saves, blocking=False)
@@ -456,6 +461,8 @@ def train(args, *, watchdogs: list | None = None) -> str:
     datasets = data.build_datasets(args, tokenizer)
     run = _Run(args, model, optimizer, scheduler, config, datasets, step_timers, ciera_config, start_iter)
     completed = _train_loop(run)
+    if run.profiler is not None:  # a window the run ended inside is written now
+        run.profiler.close()
     _sync_params(model, args)
     if args.save and (not args.save_interval or run.iteration % args.save_interval != 0):
         _save(run)

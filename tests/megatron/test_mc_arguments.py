@@ -192,12 +192,12 @@ def test_policy_table_classifies_flags():
     assert fp.policy("num_workers").kind == "feature:data" and fp.policy("wandb_project").kind == "feature:logging"
     assert fp.policy("log_interval").kind == fp.HONOURED
     assert fp.policy("rampup_batch_size").kind == fp.REJECTED and "ramp-up" in fp.policy("rampup_batch_size").reason
-    assert fp.policy("profile_step_start") == fp.Policy(fp.REJECTED, fp.DEFAULT_REASON)
+    assert fp.policy("error_injection_rate") == fp.Policy(fp.REJECTED, fp.DEFAULT_REASON)
 
 
 def test_rejected_flag_at_its_default_value_is_accepted():
-    assert parse(["--profile-step-start", "10"]).profile_step_start == 10  # upstream's default: harmless
-    assert "--profile-step-start: not implemented" in error(["--profile-step-start", "11"])
+    assert parse(["--error-injection-rate", "0"]).error_injection_rate == 0  # upstream's default: harmless
+    assert "--error-injection-rate: not implemented" in error(["--error-injection-rate", "1"])
 
 
 def test_cpu_reports_gpu_only_flags_and_runs_the_local_path():
