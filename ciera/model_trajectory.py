@@ -65,6 +65,14 @@ class MoEShape:
             raise ValueError(f"MoEShape: top_k {self.top_k} not in [1, experts {self.experts}]")
 
 
+SHAPES = {
+    "tiny": MoEShape(),
+    "small": MoEShape(vocab=512, hidden=128, experts=16, expert_hidden=256),
+    "medium": MoEShape(vocab=1024, hidden=256, layers=4, heads=8, experts=16, expert_hidden=512),
+}
+"""Named sizes for tools (``--model-shape``): ~0.33M, ~2.4M and ~18.6M parameters."""
+
+
 @dataclass(frozen=True)
 class ParamSlot:
     """Where one parameter lives in the flat buffer."""

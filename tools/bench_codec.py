@@ -5,7 +5,9 @@ The trajectory is an fp32 master updated by AdamW (``ciera.trajectory.AdamTrajec
 to the gathered dtype after every step, as Megatron's distributed optimizer does. For every codec
 and learning rate this prints: wire/raw (bytes the payload needs over the shard's bytes), the
 compression ratio, and encode/decode throughput in raw GB/s and as a ratio to ``clone()`` of the
-same shard, timed in the same loop. Every decode is checked bit for bit.
+same shard, timed in the same loop. Every decode is checked bit for bit. A second table gives every
+codec's bits per value next to the order-0 entropies of the same changes (``ciera.entropy``), per
+rank with ``--layout model`` (a tiny MoE's bucket, ``ciera.model_trajectory``).
 
 On CPU (``--compare``, the default there) every codec runs as the pure-torch reference and as the
 native C twin at 1 and 2 threads (interleaved: every repeat runs each thread count in turn, so both
@@ -24,6 +26,8 @@ the raw values, delta on the XOR with the previous values) and vs every peer row
     python tools/bench_codec.py                       # 4M bf16 values, lr 1e-4 and 3e-4
     python tools/bench_codec.py --sweep-block         # exponent_reuse ratio vs block size
     python tools/bench_codec.py --device cuda         # Triton kernels on a GPU
+    python tools/bench_codec.py --layout model --world 8 --no-timing
+                                                      # bits/value vs entropy per rank of a real bucket
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from pathlib import Path
 import torch
 
 from ciera.codecs import HEADER_BYTES, as_bits, available_codecs, make_codec
+from ciera.entropy import ChangeEntropy
+from ciera.model_trajectory import SHAPES, ModelTrajectory
 from ciera.native import available as native_available
 from ciera.native import unavailable_reason as native_reason
 from ciera.trajectory import AdamTrajectory
@@ -56,6 +62,52 @@ def make_snapshots(*, numel, dtype, lr, warmup, steps, device, seed=0):
     for _ in range(steps):
         snaps.append(traj.step())
     return snaps
+
+
+def model_snapshots(*, shape, world, lr, warmup, steps, device, seed=0):
+    """``steps + 1`` consecutive flat buffers of :class:`ciera.model_trajectory.ModelTrajectory`
+    (a tiny MoE laid out as the distributed optimizer's bucket over ``world`` ranks) after ``warmup``
+    steps, and the trajectory (its :meth:`shards` cut a buffer into the ranks' shards)."""
+    traj = ModelTrajectory(world=world, shape=SHAPES[shape], lr=lr, warmup=warmup, seed=seed)
+    snaps = [traj.current().to(device)]
+    for _ in range(steps):
+        snaps.append(traj.step().to(device))
+    return snaps, traj
+
+
+def bits_rows(*, parts: dict[str, list[torch.Tensor]], codecs, backend, device) -> list[dict]:
+    """Per part (a shard's consecutive versions: one rank's, or the synthetic shard) and codec: the
+    payload's bits per value (header included) next to the order-0 entropies of the same changes
+    (``ciera.entropy``: ``H(d)`` and ``H(d | previous exponent)``); with several parts, an ``all``
+    row pools them (bytes summed; entropies of the pooled histogram). Every decode is checked bit
+    for bit."""
+    rows, pooled_h, pooled = [], ChangeEntropy(), {}
+    for part, snaps in parts.items():
+        h = ChangeEntropy()
+        for prev, new in zip(snaps, snaps[1:]):
+            h.add(prev=prev, new=new)
+        pooled_h.merge(h)
+        for name in codecs:
+            codec = make_codec(name, dtype=snaps[0].dtype, numel=snaps[0].numel(), backend=backend)
+            state = codec.new_state(shard=snaps[0])
+            out = torch.empty(codec.clamp_capacity(codec.max_bytes), dtype=torch.uint8, device=device)
+            needed = 0
+            for prev, new in zip(snaps, snaps[1:]):
+                codec.encode(shard=new, state=state, out=out)
+                needed += out[:HEADER_BYTES].view(torch.int64).tolist()[2]
+                target = prev.clone()
+                codec.decode(payload=out, target=target)
+                if not torch.equal(as_bits(target), as_bits(new)):
+                    raise AssertionError(f"{name} on {part}: decode is not bit-exact")
+            acc = pooled.setdefault(name, [0, 0])
+            acc[0] += needed
+            acc[1] += h.values
+            rows.append({"part": part, "codec": name, "bits": 8 * needed / h.values, "order0": h.order0,
+                         "given_exponent": h.given_exponent})
+    if len(parts) > 1:
+        rows += [{"part": "all", "codec": name, "bits": 8 * b / v, "order0": pooled_h.order0,
+                  "given_exponent": pooled_h.given_exponent} for name, (b, v) in pooled.items()]
+    return rows
 
 
 def _best(fn, setup, repeats, device, own_thread: bool = False) -> tuple[float, float]:
@@ -257,12 +309,22 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="native thread counts (--compare)")
     p.add_argument("--repeats", type=int, default=5, help="runs per measurement; the best counts")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--layout", choices=["synthetic", "model"], default="synthetic",
+                   help="synthetic: one shard of --numel values on ciera.trajectory.AdamTrajectory; model: a "
+                        "tiny MoE trained with AdamW (ciera.model_trajectory), its bucket sharded over --world "
+                        "ranks as the distributed optimizer shards it (the bits table per rank; timing on the "
+                        "whole bucket; --numel ignored)")
+    p.add_argument("--world", type=int, default=4, help="--layout model: ranks sharing the bucket")
+    p.add_argument("--model-shape", choices=list(SHAPES), default="small", help="--layout model: the MoE's size")
+    p.add_argument("--timing", action=argparse.BooleanOptionalAction, default=True,
+                   help="the throughput table (--no-timing: only the bits-per-value table)")
     p.add_argument("--sweep-block", action="store_true", help="exponent_reuse wire ratio vs block size")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: checks the benchmark runs")
     p.add_argument("--out-md", type=Path, default=None, help="also write the table (and verdicts) as markdown")
     args = p.parse_args(argv)
     if args.smoke:
         args.numel, args.warmup, args.steps, args.lr, args.repeats = 4099, 3, 2, args.lr[:1], 1
+        args.model_shape, args.world = "tiny", 2
     device = torch.device(args.device)
     compare = (device.type == "cpu") if args.compare is None else args.compare
     dtype = DTYPES[args.dtype]
@@ -274,7 +336,9 @@ def main(argv=None) -> int:
 
     machine = (torch.cuda.get_device_name() if device.type == "cuda"
                else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores")
-    title = (f"# bench_codec: {args.numel} {args.dtype} values/shard, warmup {args.warmup}, {args.steps} steps, "
+    size = (f"--layout model {args.model_shape} over {args.world} ranks" if args.layout == "model"
+            else f"{args.numel} {args.dtype} values/shard")
+    title = (f"# bench_codec: {size}, warmup {args.warmup}, {args.steps} steps, "
              f"best of {args.repeats}, wall and CPU clocks, device {device} ({machine}), torch {torch.__version__}, "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average at start {load()}")
     print(title)
@@ -293,10 +357,21 @@ def main(argv=None) -> int:
             print(f"# done: lr {lr:g} {row['codec']} {row['impl']} x{ks} "
                   f"({len(self)} rows, {time.perf_counter() - t_start:.0f} s, load {load()})", file=sys.stderr, flush=True)
 
-    rows, t_start = _Rows(), time.perf_counter()
+    rows, bits, t_start = _Rows(), [], time.perf_counter()
     for lr in args.lr:
-        snaps = make_snapshots(numel=args.numel, dtype=dtype, lr=lr, warmup=args.warmup,
-                               steps=args.steps, device=device)
+        if args.layout == "model":
+            snaps, traj = model_snapshots(shape=args.model_shape, world=args.world, lr=lr, warmup=args.warmup,
+                                          steps=args.steps, device=device)
+            parts = {f"rank {r} ({traj.describe_shard(r)})": [traj.shards(x)[r] for x in snaps]
+                     for r in range(args.world)}
+        else:
+            snaps = make_snapshots(numel=args.numel, dtype=dtype, lr=lr, warmup=args.warmup,
+                                   steps=args.steps, device=device)
+            parts = {"shard": snaps}
+        if not args.sweep_block:
+            bits += [{"lr": lr, **r} for r in bits_rows(parts=parts, codecs=codecs, backend=args.backend, device=device)]
+        if not args.timing:
+            continue
         if args.sweep_block:
             for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
                 rows.add(lr, bench_one(name="exponent_reuse", snaps=snaps, block_size=b, repeats=args.repeats,
@@ -332,8 +407,18 @@ def main(argv=None) -> int:
             f"| {r['both_GBps']:.2f} | {r['clone_GBps']:.2f} | {r['encode_vs_clone']:.3f} | {r['decode_vs_clone']:.3f} "
             f"| {r['both_vs_clone']:.3f} | {r['load1']:.1f} |"
         )
-    table = "\n".join(lines)
+    table = "\n".join(lines) if rows else ""
     print(table)
+    bits_lines = ["| lr | shard | codec | bits/value | H(d) | H(d given previous exponent) | bits / H(d given exp) |",
+                  "|---|---|---|---|---|---|---|"] + [
+        f"| {r['lr']:g} | {r['part']} | {r['codec']} | {r['bits']:.3f} | {r['order0']:.3f} | {r['given_exponent']:.3f} "
+        f"| {r['bits'] / r['given_exponent'] if r['given_exponent'] else float('nan'):.3f} |" for r in bits]
+    bits_title = ("Bits per value of every codec's payloads (header included) and the order-0 entropies of the "
+                  "same changes d = new - previous (bit patterns, mod 2^W): " +
+                  (f"--layout model {args.model_shape} over {args.world} ranks" if args.layout == "model"
+                   else f"synthetic {args.numel}-value shard") + f", {args.steps} steps after {args.warmup}:")
+    if bits:
+        print(f"\n{bits_title}\n" + "\n".join(bits_lines))
     verdict = [] if args.sweep_block or not compare else verdicts(rows, lrs=args.lr, codecs=codecs,
                                                                     threads=args.threads)
     if verdict:
@@ -343,6 +428,7 @@ def main(argv=None) -> int:
     print(f"# load average at end {load()}")
     if args.out_md:
         args.out_md.write_text("\n".join([title, *notes, "", table, "", *(f"- {v}" for v in verdict),
+                                          *([bits_title, "", *bits_lines, ""] if bits else []),
                                           f"# load average at end {load()}"]) + "\n")
     return 0
 

@@ -25,6 +25,17 @@ def test_bench_codec_smoke(capsys):
     assert "| delta | reference | 1 |" in out and "| delta | native | 2 |" in out
 
 
+def test_bench_codec_model_layout_smoke(capsys):
+    assert load("bench_codec").main(["--smoke", "--layout", "model", "--no-timing"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| 0.0001 | ")]
+    assert {r[1].split(" (")[0] for r in rows} == {"rank 0", "rank 1", "all"}
+    for r in rows:  # bits/value, H(d), H(d | exp): the conditional entropy never exceeds the plain one
+        bits, h0, he = (float(x) for x in r[3:6])
+        assert 0 < he <= h0 < 16 and bits > 0, r
+    assert "| encode GB/s |" not in out  # --no-timing
+
+
 def test_bench_native_smoke(capsys):
     from ciera import native
 
@@ -49,6 +60,15 @@ def test_bench_allgather_smoke(tmp_path):
     subprocess.run([sys.executable, str(TOOLS / "bench_allgather.py"), "--smoke", "--out-md", str(md)],
                    check=True, timeout=300, capture_output=True)
     assert "| exponent_reuse |" in md.read_text()
+
+
+@pytest.mark.distributed
+def test_bench_allgather_model_layout_smoke(tmp_path):
+    md = tmp_path / "t.md"
+    subprocess.run([sys.executable, str(TOOLS / "bench_allgather.py"), "--smoke", "--layout", "model",
+                    "--codecs", "delta", "--out-md", str(md)], check=True, timeout=300, capture_output=True)
+    row = next(line for line in md.read_text().splitlines() if "| delta |" in line).split(" | ")
+    assert 1.0 <= float(row[8]) <= 1.02 and row[13] == "2 steps", row  # wire vs payloads; bit-exact steps
 
 
 @pytest.mark.distributed
