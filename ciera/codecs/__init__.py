@@ -4,6 +4,7 @@ Importing this package registers every built-in codec.
 """
 
 from . import delta as _delta  # noqa: F401  (registers)
+from . import delta_ans as _delta_ans  # noqa: F401  (registers)
 from . import exponent_reuse as _exponent_reuse  # noqa: F401  (registers)
 from . import raw as _raw  # noqa: F401  (registers)
 from .base import ALIGN, FLAG_OVERFLOW, HEADER_BYTES, Codec, PayloadHeader, read_headers

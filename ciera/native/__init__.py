@@ -51,7 +51,7 @@ from types import ModuleType
 
 from ._lib import available, library, unavailable_reason
 
-CODECS = ("exponent_reuse", "delta")
+CODECS = ("exponent_reuse", "delta", "delta_ans")
 """Codecs with a native twin (module ``ciera.native.<name>``)."""
 
 

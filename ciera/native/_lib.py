@@ -13,7 +13,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ABI = 4
+ABI = 5
 """Must equal ``CIERA_ABI`` in csrc/ciera_codecs.h: a stale build is refused, not trusted. Layouts,
 status codes and messages are not copied here: they are read from the library."""
 
@@ -63,6 +63,8 @@ SIGNATURES = {
     "ciera_delta_encode": _ENCODE,
     "ciera_er_decode": _DECODE,
     "ciera_delta_decode": _DECODE,
+    "ciera_dans_encode": _ENCODE,
+    "ciera_dans_decode": _DECODE,
     "ciera_encode": (_I64, [ctypes.c_int, _PTR, _PTR, _PTR, _PTR, _I64, ctypes.c_int]),
     "ciera_decode": (ctypes.c_int, [ctypes.c_int, _PTR, _PTR, _I64, _PTR, ctypes.c_int]),
     "ciera_delta_histogram": (ctypes.c_int, [_PTR, _PTR, _PTR, _I64, _I64, _PTR]),

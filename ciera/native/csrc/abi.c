@@ -9,6 +9,8 @@ _Static_assert(sizeof(ciera_er_layout) == (0 CIERA_ER_LAYOUT(CIERA_FIELD_COUNT))
                "every layout field is an int64_t, unpadded");
 _Static_assert(sizeof(ciera_delta_layout) == (0 CIERA_DELTA_LAYOUT(CIERA_FIELD_COUNT)) * sizeof(int64_t),
                "every layout field is an int64_t, unpadded");
+_Static_assert(sizeof(ciera_dans_layout) == (0 CIERA_DANS_LAYOUT(CIERA_FIELD_COUNT)) * sizeof(int64_t),
+               "every layout field is an int64_t, unpadded");
 
 int ciera_abi(void) { return CIERA_ABI; }
 
@@ -50,6 +52,8 @@ const char *ciera_codec_name(int codec) {
         return "exponent_reuse";
     case CIERA_CODEC_DELTA:
         return "delta";
+    case CIERA_CODEC_DELTA_ANS:
+        return "delta_ans";
     default:
         return NULL;
     }
@@ -62,6 +66,8 @@ const char *ciera_layout_fields(int codec) {
         return CIERA_ER_LAYOUT(CIERA_FIELD_NAME) + 1;
     case CIERA_CODEC_DELTA:
         return CIERA_DELTA_LAYOUT(CIERA_FIELD_NAME) + 1;
+    case CIERA_CODEC_DELTA_ANS:
+        return CIERA_DANS_LAYOUT(CIERA_FIELD_NAME) + 1;
     default:
         return NULL;
     }
@@ -73,6 +79,8 @@ int64_t ciera_layout_bytes(int codec) {
         return (int64_t)sizeof(ciera_er_layout);
     case CIERA_CODEC_DELTA:
         return (int64_t)sizeof(ciera_delta_layout);
+    case CIERA_CODEC_DELTA_ANS:
+        return (int64_t)sizeof(ciera_dans_layout);
     default:
         return 0;
     }

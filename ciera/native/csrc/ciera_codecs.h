@@ -17,7 +17,7 @@
  * (the target may then be partly written, as with the reference's errors).
  *
  * Files: internal.h (shared helpers), claims.c (work sharing), cpu.c (CPU features),
- * exponent_reuse.c, delta.c (entry points, per-call choice of path) over delta_scalar.h (portable
+ * exponent_reuse.c, delta.c, delta_ans.c (entry points, per-call choice of path) over delta_scalar.h (portable
  * kernels), delta_avx2.h and delta_avx512.c, dispatch.c (by codec id, with the payload header),
  * abi.c (what _lib.py reads back).
  */
@@ -28,7 +28,7 @@
 
 /* Bumped with every change of an entry point's signature or a layout: _lib.py refuses a build
  * whose ciera_abi() differs from its own. */
-#define CIERA_ABI 4
+#define CIERA_ABI 5
 
 #define CIERA_API __attribute__((visibility("default")))
 
@@ -44,7 +44,12 @@
     X(CIERA_E_ARGS, -6, "unsupported layout or arguments")                                                  \
     X(CIERA_E_NOMEM, -7, "out of memory")                                                                   \
     X(CIERA_E_HEADER, -8, "payload header is not a valid, non-overflowed payload of this codec and layout") \
-    X(CIERA_E_SIZES, -9, "corrupt payload: the blocks' sizes do not add up to the header's needed bytes")
+    X(CIERA_E_SIZES, -9, "corrupt payload: the blocks' sizes do not add up to the header's needed bytes")  \
+    X(CIERA_E_FREQ, -10, "corrupt payload: a frequency table does not sum to 2^12")                          \
+    X(CIERA_E_STREAM, -11, "corrupt payload: an entropy-coded stream does not end on its last word and initial state") \
+    X(CIERA_E_NO_TABLE, -12, "corrupt payload: a value's context has no frequency table")                  \
+    X(CIERA_E_RAW_MARKS, -13, "corrupt payload: a raw block's streams are not all marked raw")             \
+    X(CIERA_E_WORDS, -14, "corrupt payload: a stream holds more words than its values can emit")
 
 typedef enum {
 #define CIERA_STATUS_ENUM(name, value, message) name = value,
@@ -53,7 +58,7 @@ typedef enum {
 } ciera_status;
 
 /* Codec ids, as in the payload header and the Python codecs' `codec_id`. */
-enum { CIERA_CODEC_EXPONENT_REUSE = 1, CIERA_CODEC_DELTA = 2 };
+enum { CIERA_CODEC_EXPONENT_REUSE = 1, CIERA_CODEC_DELTA = 2, CIERA_CODEC_DELTA_ANS = 3 };
 
 /* Layouts: one payload shape each, every field an int64_t, filled by _lib.py by name from the
  * Python layout dataclass (or its FloatFormat). X(field) lists them in struct order. */
@@ -67,6 +72,12 @@ enum { CIERA_CODEC_EXPONENT_REUSE = 1, CIERA_CODEC_DELTA = 2 };
     X(group_size) X(count_bytes) X(index_bytes) X(high_bytes)                \
     X(off_table) X(off_counts) X(off_data)
 
+#define CIERA_DANS_LAYOUT(X)                                                 \
+    X(numel) X(block_size) X(total_bits) X(exp_bits) X(mant_bits)           \
+    X(lanes) X(steps) X(n_blocks) X(n_streams) X(n_classes) X(n_symbols)     \
+    X(prob_bits) X(high_bytes) X(max_words) X(off_map) X(map_bytes)          \
+    X(off_tables) X(table_bytes)
+
 #define CIERA_LAYOUT_FIELD(f) int64_t f;
 typedef struct {
     CIERA_ER_LAYOUT(CIERA_LAYOUT_FIELD)
@@ -75,6 +86,10 @@ typedef struct {
 typedef struct {
     CIERA_DELTA_LAYOUT(CIERA_LAYOUT_FIELD)
 } ciera_delta_layout;
+
+typedef struct {
+    CIERA_DANS_LAYOUT(CIERA_LAYOUT_FIELD)
+} ciera_dans_layout;
 #undef CIERA_LAYOUT_FIELD
 
 /* --- what _lib.py reads back (abi.c) ---------------------------------------------------------- */
@@ -104,6 +119,11 @@ CIERA_API int ciera_er_decode(const ciera_er_layout *l, const uint8_t *payload, 
                               int threads);
 CIERA_API int ciera_delta_decode(const ciera_delta_layout *l, const uint8_t *payload, int64_t length, void *target,
                                  int threads);
+/* delta_ans (delta_ans.c): the same contract. */
+CIERA_API int64_t ciera_dans_encode(const ciera_dans_layout *l, const void *shard, void *state, uint8_t *out,
+                                    int64_t capacity, int threads);
+CIERA_API int ciera_dans_decode(const ciera_dans_layout *l, const uint8_t *payload, int64_t length, void *target,
+                                int threads);
 /* The counts delta's width table is chosen from, over values [lo, hi): hist[e * (W + 1) + L]
  * (2^E * (W + 1) entries, overwritten) = values whose previous exponent is e and whose z has bit
  * length L, counted by the path an encode on this CPU takes. For the tests. */

@@ -8,7 +8,35 @@
 #define CIERA_MAGIC 0xC1E7AL
 #define CIERA_FLAG_OVERFLOW 1
 
-static int known_codec(int codec) { return codec == CIERA_CODEC_EXPONENT_REUSE || codec == CIERA_CODEC_DELTA; }
+static int known_codec(int codec) {
+    return codec == CIERA_CODEC_EXPONENT_REUSE || codec == CIERA_CODEC_DELTA || codec == CIERA_CODEC_DELTA_ANS;
+}
+
+/* The smallest payload of the codec's layout: header and fixed sections. */
+static int64_t fixed_bytes(int codec, const void *layout) {
+    switch (codec) {
+    case CIERA_CODEC_EXPONENT_REUSE:
+        return ((const ciera_er_layout *)layout)->off_exps;
+    case CIERA_CODEC_DELTA:
+        return ((const ciera_delta_layout *)layout)->off_data;
+    default: {
+        const ciera_dans_layout *l = layout; /* no tables: the counts section follows the map */
+        return (l->off_tables + 2 * l->n_streams + 15) / 16 * 16;
+    }
+    }
+}
+
+static int decode_by_id(int codec, const void *layout, const uint8_t *payload, int64_t length, void *target,
+                        int threads) {
+    switch (codec) {
+    case CIERA_CODEC_EXPONENT_REUSE:
+        return ciera_er_decode(layout, payload, length, target, threads);
+    case CIERA_CODEC_DELTA:
+        return ciera_delta_decode(layout, payload, length, target, threads);
+    default:
+        return ciera_dans_decode(layout, payload, length, target, threads);
+    }
+}
 
 /* Headers are checked before a payload is decoded. */
 int ciera_decode_many(int codec, const void *layout, const uint8_t *payloads, int64_t payloads_len,
@@ -16,8 +44,7 @@ int ciera_decode_many(int codec, const void *layout, const uint8_t *payloads, in
                       int64_t row_bytes, int threads, int64_t *bad) {
     *bad = -1;
     if (!known_codec(codec)) return CIERA_E_ARGS;
-    int64_t fixed = codec == CIERA_CODEC_EXPONENT_REUSE ? ((const ciera_er_layout *)layout)->off_exps
-                               : ((const ciera_delta_layout *)layout)->off_data;
+    int64_t fixed = fixed_bytes(codec, layout);
     for (int64_t i = 0; i < k; i++) {
         *bad = i;
         int64_t off = offsets[i], row = rows[i];
@@ -30,8 +57,7 @@ int ciera_decode_many(int codec, const void *layout, const uint8_t *payloads, in
             h[2] > h[3] || h[2] > payloads_len - off)
             return CIERA_E_HEADER;
         uint8_t *t = (uint8_t *)targets + row * row_bytes;
-        int r = codec == CIERA_CODEC_EXPONENT_REUSE ? ciera_er_decode((const ciera_er_layout *)layout, payloads + off, h[2], t, threads)
-                           : ciera_delta_decode((const ciera_delta_layout *)layout, payloads + off, h[2], t, threads);
+        int r = decode_by_id(codec, layout, payloads + off, h[2], t, threads);
         if (r != CIERA_OK) return r;
     }
     return CIERA_OK;
@@ -40,10 +66,9 @@ int ciera_decode_many(int codec, const void *layout, const uint8_t *payloads, in
 int64_t ciera_encode(int codec, const void *layout, const void *shard, void *state, uint8_t *out, int64_t capacity,
                      int threads) {
     if (capacity < 32 || !known_codec(codec)) return CIERA_E_ARGS;
-    int64_t needed = codec == CIERA_CODEC_EXPONENT_REUSE ? ciera_er_encode((const ciera_er_layout *)layout, shard, (uint8_t *)state, out,
-                                                  capacity, threads)
-                                : ciera_delta_encode((const ciera_delta_layout *)layout, shard, state, out, capacity,
-                                                     threads);
+    int64_t needed = codec == CIERA_CODEC_EXPONENT_REUSE ? ciera_er_encode(layout, shard, (uint8_t *)state, out, capacity, threads)
+                     : codec == CIERA_CODEC_DELTA   ? ciera_delta_encode(layout, shard, state, out, capacity, threads)
+                                                    : ciera_dans_encode(layout, shard, state, out, capacity, threads);
     if (needed < 0) return needed;
     int64_t h[4] = {(int64_t)((CIERA_MAGIC << 8) | codec), needed > capacity ? CIERA_FLAG_OVERFLOW : 0, needed,
                     capacity};
@@ -56,6 +81,5 @@ int ciera_decode(int codec, const void *layout, const uint8_t *payload, int64_t 
     int64_t h[4];
     memcpy(h, payload, sizeof h);
     if (h[0] != ((CIERA_MAGIC << 8) | codec) || (h[1] & CIERA_FLAG_OVERFLOW) || h[2] > length) return CIERA_E_HEADER;
-    return codec == CIERA_CODEC_EXPONENT_REUSE ? ciera_er_decode((const ciera_er_layout *)layout, payload, length, target, threads)
-                      : ciera_delta_decode((const ciera_delta_layout *)layout, payload, length, target, threads);
+    return decode_by_id(codec, layout, payload, length, target, threads);
 }

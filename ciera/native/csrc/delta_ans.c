@@ -1,0 +1,398 @@
+/* delta_ans: delta's symbols under interleaved rANS (the format: ciera/codecs/delta_ans.py).
+ *
+ * Encode: one histogram pass (per thread, summed in a fixed order), the frequency tables, then
+ * every block's 32 streams encoded backwards, interleaved (32 independent states: the divisions
+ * overlap), into a staging copy of the block's raw area (a block whose streams would not fit there
+ * is sent raw); sizes, prefix sums and the copy out follow. Decode: the tables become slot -> symbol
+ * lookups, the counts give every block's offset, and blocks decode in parallel, 32 lanes per step.
+ * Blocks are claimed dynamically; each block's bytes are its own, so nothing depends on threads. */
+#include "internal.h"
+
+#define DANS_LANES 32
+#define DANS_P 12
+#define DANS_M (1u << DANS_P)
+#define DANS_DIRECT 16
+#define DANS_LOW (1u << 16)
+#define DANS_RAW 0xFFFF
+#define DANS_MAX_SYMBOLS 44 /* W + 12 for W = 32 */
+
+static int64_t al16(int64_t n) { return (n + 15) / 16 * 16; }
+static int64_t dans_off_counts(const ciera_dans_layout *l, int64_t n_tab) {
+    return al16(l->off_tables + n_tab * l->table_bytes);
+}
+static int64_t dans_off_data(const ciera_dans_layout *l, int64_t n_tab) {
+    return al16(dans_off_counts(l, n_tab) + 2 * l->n_streams);
+}
+
+static int dans_supported(const ciera_dans_layout *l) {
+    int fmt = (l->total_bits == 16 && ((l->mant_bits == 7 && l->exp_bits == 8) || (l->mant_bits == 10 && l->exp_bits == 5))) ||
+              (l->total_bits == 32 && l->mant_bits == 23 && l->exp_bits == 8);
+    int64_t B = l->block_size;
+    return fmt && l->lanes == DANS_LANES && B >= 64 && B <= (1 << 19) && (B & (B - 1)) == 0 &&
+           l->steps * DANS_LANES == B && l->numel >= 0 && l->numel < CIERA_MAX_NUMEL &&
+           l->n_blocks == (l->numel + B - 1) / B && l->n_streams == l->n_blocks * DANS_LANES &&
+           l->n_classes == (1 << l->exp_bits) && l->n_symbols == l->total_bits + 12 && l->prob_bits == DANS_P &&
+           l->high_bytes == l->total_bits / 8 && l->map_bytes == l->n_classes / 8 &&
+           l->table_bytes == 2 * l->n_symbols && l->max_words == l->steps * (1 + (l->total_bits - 1 + 15) / 16);
+}
+
+/* z, context and symbol of value i against the previous pattern. */
+ALWAYS_INLINE void dans_value(int W, int M, int E, const void *shard, const void *state, int64_t i, uint32_t *z,
+                              int *ctx, int *sym, int *k) {
+    const uint32_t mask = W == 16 ? 0xFFFFu : 0xFFFFFFFFu;
+    const uint32_t uo = load_u(state, i, W), d = (load_u(shard, i, W) - uo) & mask;
+    const uint32_t zz = ((d << 1) ^ (0u - (d >> (W - 1)))) & mask;
+    *z = zz;
+    *ctx = (int)((uo >> M) & ((1u << E) - 1));
+    if (zz < DANS_DIRECT) {
+        *sym = (int)zz, *k = 0;
+    } else {
+        const int bl = 32 - __builtin_clz(zz);
+        *sym = bl + DANS_DIRECT - 5, *k = bl - 1;
+    }
+}
+
+HOT static void dans_hist_range(const ciera_dans_layout *l, const void *shard, const void *state, int64_t lo,
+                                int64_t hi, int64_t *hist) {
+    const int W = (int)l->total_bits, M = (int)l->mant_bits, E = (int)l->exp_bits, A = (int)l->n_symbols;
+    for (int64_t i = lo; i < hi; i++) {
+        uint32_t z;
+        int ctx, sym, k;
+        if (W == 16 && M == 7) dans_value(16, 7, 8, shard, state, i, &z, &ctx, &sym, &k);
+        else if (W == 16) dans_value(16, 10, 5, shard, state, i, &z, &ctx, &sym, &k);
+        else dans_value(32, 23, 8, shard, state, i, &z, &ctx, &sym, &k);
+        (void)E;
+        hist[ctx * A + sym]++;
+    }
+}
+
+/* Encoder's scratch for one block: per lane, the words in emission order. */
+typedef struct {
+    uint32_t freq[DANS_MAX_SYMBOLS], cum[DANS_MAX_SYMBOLS];
+} dans_table;
+
+ALWAYS_INLINE void dans_put_bits(uint32_t *x, uint32_t bits, int nb, uint16_t *words, int64_t *nw) {
+    if ((*x >> (32 - nb)) != 0) {
+        words[(*nw)++] = (uint16_t)(*x & 0xFFFF);
+        *x >>= 16;
+    }
+    *x = (*x << nb) | bits;
+}
+
+/* Encodes block b's lanes into `words` (lane j's at words + j * max_words), their counts into nw
+ * and final states into xs. */
+HOT static void dans_encode_block(const ciera_dans_layout *l, const void *shard, const void *state,
+                                  const dans_table *tabs, const int *tab_of, int64_t b, uint16_t *words,
+                                  int64_t *nw, uint32_t *xs) {
+    const int W = (int)l->total_bits, M = (int)l->mant_bits, E = (int)l->exp_bits;
+    const int64_t B = l->block_size, base = b * B, nv = min64(B, l->numel - base), mw = l->max_words;
+    const int64_t steps = (nv + DANS_LANES - 1) / DANS_LANES;
+    uint32_t x[DANS_LANES];
+    for (int j = 0; j < DANS_LANES; j++) x[j] = DANS_LOW, nw[j] = 0;
+    for (int64_t t = steps - 1; t >= 0; t--) {
+        const int lanes = (int)min64(DANS_LANES, nv - t * DANS_LANES);
+        for (int j = 0; j < lanes; j++) {
+            uint32_t z;
+            int ctx, sym, k;
+            const int64_t i = base + t * DANS_LANES + j;
+            if (W == 16 && M == 7) dans_value(16, 7, 8, shard, state, i, &z, &ctx, &sym, &k);
+            else if (W == 16) dans_value(16, 10, 5, shard, state, i, &z, &ctx, &sym, &k);
+            else dans_value(32, 23, 8, shard, state, i, &z, &ctx, &sym, &k);
+            (void)E;
+            uint16_t *w = words + j * mw;
+            uint32_t xj = x[j];
+            if (k > 0) {
+                const uint32_t low = z & (uint32_t)lowmask64(k);
+                if (k > 16) dans_put_bits(&xj, low >> 16, k - 16, w, &nw[j]);
+                dans_put_bits(&xj, low & 0xFFFF, k < 16 ? k : 16, w, &nw[j]);
+            }
+            const dans_table *tb = &tabs[tab_of[ctx]];
+            const uint32_t f = tb->freq[sym], c = tb->cum[sym];
+            if ((uint64_t)xj >= ((uint64_t)f << (32 - DANS_P))) {
+                w[nw[j]++] = (uint16_t)(xj & 0xFFFF);
+                xj >>= 16;
+            }
+            xj = ((xj / f) << DANS_P) + xj % f + c;
+            x[j] = xj;
+        }
+    }
+    for (int j = 0; j < DANS_LANES; j++) xs[j] = x[j];
+}
+
+int64_t ciera_dans_encode(const ciera_dans_layout *l, const void *shard, void *state, uint8_t *out, int64_t capacity,
+                          int threads) {
+    if (!dans_supported(l) || capacity < 0) return CIERA_E_ARGS;
+    const int64_t n = l->numel, S = l->high_bytes, A = l->n_symbols, C = l->n_classes, nb = l->n_blocks;
+    const int W = (int)l->total_bits;
+    if (n == 0) return dans_off_data(l, 0);
+    threads = clamp_threads(threads);
+    const int64_t n_hist = C * A;
+    int64_t *hists = calloc((size_t)(threads * n_hist), sizeof(int64_t));
+    int64_t *cnt = malloc((size_t)l->n_streams * sizeof(int64_t));
+    uint32_t *xs = malloc((size_t)l->n_streams * sizeof(uint32_t));
+    int64_t *block_bytes = malloc((size_t)nb * sizeof(int64_t));
+    uint8_t *staging = malloc((size_t)(n * S));
+    dans_table *tabs = malloc((size_t)C * sizeof(dans_table));
+    if (!hists || !cnt || !xs || !block_bytes || !staging || !tabs) {
+        free(hists), free(cnt), free(xs), free(block_bytes), free(staging), free(tabs);
+        return CIERA_E_NOMEM;
+    }
+    /* 1. histogram: thread k counts a fixed range, summed in thread order (integers: exact). */
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        const int k = CIERA_THREAD_ID();
+        const int64_t lo = n * k / threads, hi = n * (k + 1) / threads;
+        dans_hist_range(l, shard, state, lo, hi, hists + k * n_hist);
+    }
+    for (int k = 1; k < threads; k++)
+        for (int64_t i = 0; i < n_hist; i++) hists[i] += hists[k * n_hist + i];
+    /* 2. tables: floor(n_s M / N), at least 1 where n_s > 0, the rest on the first most frequent. */
+    int tab_of[256];
+    int64_t n_tab = 0;
+    for (int64_t e = 0; e < C; e++) {
+        const int64_t *h = hists + e * A;
+        int64_t N = 0, top = 0;
+        for (int64_t s = 0; s < A; s++) {
+            N += h[s];
+            if (h[s] > h[top]) top = s;
+        }
+        tab_of[e] = N ? (int)n_tab : -1;
+        if (!N) continue;
+        dans_table *tb = &tabs[n_tab++];
+        int64_t sum = 0;
+        for (int64_t s = 0; s < A; s++) {
+            int64_t f = h[s] * DANS_M / N;
+            if (h[s] > 0 && f == 0) f = 1;
+            tb->freq[s] = (uint32_t)f;
+            sum += f;
+        }
+        tb->freq[top] = (uint32_t)((int64_t)tb->freq[top] + DANS_M - sum);
+        uint32_t c = 0;
+        for (int64_t s = 0; s < A; s++) tb->cum[s] = c, c += tb->freq[s];
+    }
+    /* 3. blocks: streams staged in the block's raw area when they fit there. */
+    const size_t scratch = (size_t)(DANS_LANES * l->max_words) * sizeof(uint16_t);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        uint16_t *words = (uint16_t *)thread_scratch(scratch);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t b = 0; b < nb; b++) {
+            if (!words) {
+                block_bytes[b] = -1;
+                continue;
+            }
+            const int64_t base = b * l->block_size, nv = min64(l->block_size, n - base);
+            int64_t *nw = cnt + b * DANS_LANES;
+            uint32_t *xb = xs + b * DANS_LANES;
+            dans_encode_block(l, shard, state, tabs, tab_of, b, words, nw, xb);
+            int64_t bytes = 0;
+            for (int j = 0; j < DANS_LANES; j++)
+                if (j < nv) bytes += 4 + 2 * nw[j];
+            if (bytes > nv * S) {
+                block_bytes[b] = -(nv * S) - 2; /* raw: -(bytes) - 2 */
+                continue;
+            }
+            block_bytes[b] = bytes;
+            uint8_t *p = staging + base * S;
+            for (int j = 0; j < DANS_LANES && j < nv; j++) {
+                store_le(p, xb[j], 4);
+                p += 4;
+                const uint16_t *w = words + j * l->max_words;
+                for (int64_t r = nw[j] - 1; r >= 0; r--, p += 2) store_le(p, w[r], 2);
+            }
+        }
+    }
+    int64_t total = 0, nomem = 0;
+    for (int64_t b = 0; b < nb; b++) {
+        if (block_bytes[b] == -1) nomem = 1;
+        total += block_bytes[b] >= 0 ? block_bytes[b] : -block_bytes[b] - 2;
+    }
+    if (nomem) {
+        free(hists), free(cnt), free(xs), free(block_bytes), free(staging), free(tabs);
+        return CIERA_E_NOMEM;
+    }
+    int64_t needed = dans_off_data(l, n_tab) + total;
+    const int64_t max_bytes = dans_off_data(l, 0) + n * S;
+    int all_raw = needed > max_bytes;
+    if (all_raw) n_tab = 0, needed = max_bytes;
+    if (needed <= capacity) {
+        const int64_t off_c = dans_off_counts(l, n_tab), off_d = dans_off_data(l, n_tab);
+        memset(out + 32, 0, (size_t)(off_d - 32));
+        if (n_tab) {
+            for (int64_t e = 0; e < C; e++)
+                if (tab_of[e] >= 0) out[l->off_map + e / 8] |= (uint8_t)(1u << (e % 8));
+            for (int64_t t = 0; t < n_tab; t++)
+                for (int64_t s = 0; s < A; s++) store_le(out + l->off_tables + (t * A + s) * 2, tabs[t].freq[s], 2);
+        }
+        int64_t pos = off_d;
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t base = b * l->block_size, nv = min64(l->block_size, n - base);
+            const int raw = all_raw || block_bytes[b] < 0;
+            for (int j = 0; j < DANS_LANES; j++)
+                store_le(out + off_c + 2 * (b * DANS_LANES + j), raw ? DANS_RAW : (uint64_t)cnt[b * DANS_LANES + j], 2);
+            if (raw) {
+                const uint32_t mask = W == 16 ? 0xFFFFu : 0xFFFFFFFFu;
+                for (int64_t i = base; i < base + nv; i++) {
+                    const uint32_t d = (load_u(shard, i, W) - load_u(state, i, W)) & mask;
+                    store_le(out + pos + (i - base) * S, ((d << 1) ^ (0u - (d >> (W - 1)))) & mask, (int)S);
+                }
+                pos += nv * S;
+            } else {
+                memcpy(out + pos, staging + base * S, (size_t)block_bytes[b]);
+                pos += block_bytes[b];
+            }
+        }
+    }
+    memcpy(state, shard, (size_t)(n * S));
+    free(hists), free(cnt), free(xs), free(block_bytes), free(staging), free(tabs);
+    return needed;
+}
+
+/* Decode tables: slot -> symbol, and each symbol's frequency and cumulative frequency. */
+typedef struct {
+    uint8_t sym[DANS_M];
+    uint32_t freq[DANS_MAX_SYMBOLS], cum[DANS_MAX_SYMBOLS];
+} dans_dtable;
+
+HOT static int dans_decode_block(const ciera_dans_layout *l, const uint8_t *payload, const dans_dtable *tabs,
+                                 const int *tab_of, const uint16_t *cnt_unused, const int64_t *stream_start,
+                                 const int64_t *stream_end, int64_t b, void *target) {
+    (void)cnt_unused;
+    const int W = (int)l->total_bits, M = (int)l->mant_bits, E = (int)l->exp_bits;
+    const uint32_t mask = W == 16 ? 0xFFFFu : 0xFFFFFFFFu;
+    const int64_t B = l->block_size, base = b * B, nv = min64(B, l->numel - base);
+    const int64_t steps = (nv + DANS_LANES - 1) / DANS_LANES;
+    uint32_t x[DANS_LANES];
+    int64_t at[DANS_LANES], end[DANS_LANES];
+    for (int j = 0; j < DANS_LANES && j < nv; j++) {
+        const int64_t s = stream_start[b * DANS_LANES + j];
+        x[j] = (uint32_t)load_le(payload + s, 4);
+        at[j] = s + 4, end[j] = stream_end[b * DANS_LANES + j];
+    }
+#define DANS_REFILL(cond)                                  \
+    if ((cond) && xj < DANS_LOW) {                         \
+        if (a + 2 > e) return CIERA_E_STREAM;              \
+        xj = (xj << 16) | (uint32_t)load_le(payload + a, 2); \
+        a += 2;                                            \
+    }
+    for (int64_t t = 0; t < steps; t++) {
+        const int lanes = (int)min64(DANS_LANES, nv - t * DANS_LANES);
+        for (int j = 0; j < lanes; j++) {
+            const int64_t i = base + t * DANS_LANES + j;
+            const uint32_t uo = load_u(target, i, W);
+            const int ctx = (int)((uo >> M) & ((1u << E) - 1));
+            if (tab_of[ctx] < 0) return CIERA_E_NO_TABLE;
+            const dans_dtable *tb = &tabs[tab_of[ctx]];
+            uint32_t xj = x[j];
+            int64_t a = at[j];
+            const int64_t e = end[j];
+            const uint32_t slot = xj & (DANS_M - 1);
+            const int s = tb->sym[slot];
+            xj = tb->freq[s] * (xj >> DANS_P) + slot - tb->cum[s];
+            DANS_REFILL(1)
+            uint32_t z;
+            if (s < DANS_DIRECT) {
+                z = (uint32_t)s;
+            } else {
+                const int k = s - (DANS_DIRECT - 4), lo_n = k < 16 ? k : 16;
+                const uint32_t lo = xj & ((1u << lo_n) - 1);
+                xj >>= lo_n;
+                DANS_REFILL(1)
+                uint32_t hi = 0;
+                if (k > 16) {
+                    hi = xj & ((1u << (k - 16)) - 1);
+                    xj >>= k - 16;
+                    DANS_REFILL(1)
+                }
+                z = (1u << k) | (hi << 16) | lo;
+            }
+            x[j] = xj, at[j] = a;
+            store_u(target, i, (uo + ((z >> 1) ^ (0u - (z & 1)))) & mask, W);
+        }
+    }
+#undef DANS_REFILL
+    for (int j = 0; j < DANS_LANES && j < nv; j++)
+        if (at[j] != end[j] || x[j] != DANS_LOW) return CIERA_E_STREAM;
+    return CIERA_OK;
+}
+
+int ciera_dans_decode(const ciera_dans_layout *l, const uint8_t *payload, int64_t length, void *target, int threads) {
+    if (!dans_supported(l)) return CIERA_E_ARGS;
+    const int64_t n = l->numel, S = l->high_bytes, A = l->n_symbols, C = l->n_classes, nb = l->n_blocks;
+    const int W = (int)l->total_bits;
+    if (n == 0) return CIERA_OK;
+    if (length < dans_off_data(l, 0)) return CIERA_E_TRUNCATED;
+    int tab_of[256];
+    int64_t n_tab = 0;
+    for (int64_t e = 0; e < C; e++) tab_of[e] = (payload[l->off_map + e / 8] >> (e % 8)) & 1 ? (int)n_tab++ : -1;
+    if (dans_off_data(l, n_tab) > length) return CIERA_E_TRUNCATED;
+    const int64_t off_c = dans_off_counts(l, n_tab), off_d = dans_off_data(l, n_tab);
+    /* counts: raw blocks marked in every stream, no stream above its most words, all inside */
+    int64_t *start = malloc((size_t)(2 * l->n_streams) * sizeof(int64_t));
+    int64_t *block_start = malloc((size_t)(nb + 1) * sizeof(int64_t));
+    dans_dtable *tabs = malloc((size_t)(n_tab ? n_tab : 1) * sizeof(dans_dtable));
+    if (!start || !block_start || !tabs) {
+        free(start), free(block_start), free(tabs);
+        return CIERA_E_NOMEM;
+    }
+    int64_t *end = start + l->n_streams;
+    int rc = CIERA_OK;
+    for (int64_t t = 0; t < n_tab && rc == CIERA_OK; t++) {
+        dans_dtable *tb = &tabs[t];
+        uint32_t c = 0;
+        for (int64_t s = 0; s < A; s++) {
+            tb->freq[s] = (uint32_t)load_le(payload + l->off_tables + (t * A + s) * 2, 2);
+            tb->cum[s] = c;
+            c += tb->freq[s];
+        }
+        if (c != DANS_M) {
+            rc = CIERA_E_FREQ;
+            break;
+        }
+        for (int64_t s = 0; s < A; s++) memset(tb->sym + tb->cum[s], (int)s, tb->freq[s]);
+    }
+    int64_t pos = off_d;
+    for (int64_t b = 0; b < nb && rc == CIERA_OK; b++) {
+        const int64_t base = b * l->block_size, nv = min64(l->block_size, n - base);
+        const uint8_t *cb = payload + off_c + 2 * b * DANS_LANES;
+        const int raw = load_le(cb, 2) == DANS_RAW;
+        block_start[b] = pos;
+        for (int j = 0; j < DANS_LANES; j++) {
+            const int64_t c = (int64_t)load_le(cb + 2 * j, 2);
+            if ((c == DANS_RAW) != raw) rc = CIERA_E_RAW_MARKS;
+            else if (!raw && c > l->max_words) rc = CIERA_E_WORDS;
+            const int64_t bytes = raw || j >= nv ? 0 : 4 + 2 * c;
+            start[b * DANS_LANES + j] = pos;
+            end[b * DANS_LANES + j] = pos + bytes;
+            pos += bytes;
+        }
+        if (raw) pos += nv * S, start[b * DANS_LANES] = -1; /* -1: raw block */
+    }
+    if (rc == CIERA_OK && pos > length) rc = CIERA_E_TRUNCATED;
+    if (rc == CIERA_OK) {
+        threads = clamp_threads(threads);
+        int err = CIERA_OK;
+        const uint32_t mask = W == 16 ? 0xFFFFu : 0xFFFFFFFFu;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(dynamic, 1)
+        for (int64_t b = 0; b < nb; b++) {
+            int r = CIERA_OK;
+            if (start[b * DANS_LANES] < 0) {
+                const int64_t base = b * l->block_size, nv = min64(l->block_size, n - base);
+                const uint8_t *p = payload + block_start[b];
+                for (int64_t i = base; i < base + nv; i++) {
+                    const uint32_t z = (uint32_t)load_le(p + (i - base) * S, (int)S);
+                    store_u(target, i, (load_u(target, i, W) + ((z >> 1) ^ (0u - (z & 1)))) & mask, W);
+                }
+            } else {
+                r = dans_decode_block(l, payload, tabs, tab_of, NULL, start, end, b, target);
+            }
+            if (r != CIERA_OK) {
+#pragma omp critical(ciera_dans_err)
+                if (err == CIERA_OK) err = r;
+            }
+        }
+        rc = err;
+    }
+    free(start), free(block_start), free(tabs);
+    return rc;
+}
