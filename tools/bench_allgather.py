@@ -7,8 +7,8 @@ into another, alternating which goes first. The two buffers are compared bit for
 buffer size and codec: median time per gather of each, their ratio, and bytes received per rank:
 ``wire/raw`` (what the collectives carried) next to ``payload/raw`` (what the codec itself needed,
 summed over ranks) and their quotient (the price of the agreed sizes: equal sizes pay for the
-largest payload, per-rank sizes only for the 16-byte alignment), the gathers sent with per-rank
-sizes, the payloads' bits per value, and the order-0 entropies of the same changes
+largest payload, per-rank sizes only for the 16-byte alignment), what equal sizes would have
+delivered (``world x`` the largest payload), the gathers sent with per-rank sizes, the payloads' bits per value, and the order-0 entropies of the same changes
 (``ciera.entropy``: ``H(d)`` and ``H(d | previous exponent)``, pooled over ranks).
 
 ``--layout model``: every rank's shard is its part of a tiny MoE's bucket trained with AdamW
@@ -61,11 +61,14 @@ def _worker(rank, world, numel, codecs, lr, warmup, steps, device_type, buffers=
     times = {c: [] for c in ["plain", *codecs]}
     modes = {c: [] for c in codecs}  # the codec each gather of the timed steps used (None: raw)
     uneven = dict.fromkeys(codecs, 0)  # timed gathers sent with per-rank sizes
+    equal = dict.fromkeys(codecs, 0)  # bytes the timed compressed gathers would deliver at equal sizes
     entropy, prev = ChangeEntropy(), None
 
     def launch(name, g):
         handle = g.start()
-        uneven[name] += bool(g.plan is not None and g.plan.sizes) and step >= warmup
+        if g.plan is not None and not g.plan.raw and step >= warmup:
+            uneven[name] += bool(g.plan.sizes)
+            equal[name] += world * g.plan.size  # size: the largest payload, 16-aligned
         handle.wait()
 
     for step in range(warmup + steps):
@@ -96,7 +99,7 @@ def _worker(rank, world, numel, codecs, lr, warmup, steps, device_type, buffers=
             if not torch.equal(as_bits(g.buffer), as_bits(plain)):
                 raise AssertionError(f"{c}: gathered buffer differs from all_gather_into_tensor")
     return {"times": times, "modes": modes, "stats": {c: g.stats.minus(before[c]) for c, g in gathers.items()},
-            "uneven": uneven, "entropy": entropy, "values": numel // world,
+            "uneven": uneven, "equal": equal, "entropy": entropy, "values": numel // world,
             "decisions": {c: g.selector.decisions if g.selector else 0 for c, g in gathers.items()}}
 
 
@@ -152,8 +155,8 @@ def main(argv=None) -> int:
     print(f"# bench_allgather: {args.backend}, {args.world} ranks, bf16, lr {args.lr:g}, warmup {args.warmup}, "
           f"{args.steps} timed steps, torch {torch.__version__}, {layout}")
     lines = ["| values | codec | plain ms | CIERA ms | speed-up | mean speed-up | wire/raw | payload/raw "
-             "| compressed wire/payload | per-rank sizes | bits/value | H(d) | H(d given exp) | bit-exact "
-             "| raw gathers | decisions | switches (step:mode) |", "|---" * 17 + "|"]
+             "| compressed wire/payload | equal sizes: wire/payload | per-rank sizes | bits/value | H(d) "
+             "| H(d given exp) | bit-exact | raw gathers | decisions | switches (step:mode) |", "|---" * 18 + "|"]
     for numel in args.numel:
         results = run_on_ranks(_worker, world=args.world,
                                args=(numel, args.codecs, args.lr, args.warmup, args.steps, "cpu", buffers))
@@ -176,7 +179,9 @@ def main(argv=None) -> int:
             over = compressed_wire / s.payload_bytes if s.payload_bytes else float("nan")
             bits = 8 * s.payload_bytes / (numel * s.compressed_gathers) if s.compressed_gathers else float("nan")
             lines.append(f"| {numel:,} | {c} | {plain * 1e3:.2f} | {t * 1e3:.2f} | {plain / t:.3f}x | {mean:.3f}x "
-                         f"| {wire:.4f} | {payload:.4f} | {over:.4f} | {results[0]['uneven'][c]}/{args.steps} "
+                         f"| {wire:.4f} | {payload:.4f} | {over:.4f} "
+                         f"| {results[0]['equal'][c] / s.payload_bytes if s.payload_bytes else float('nan'):.4f} "
+                         f"| {results[0]['uneven'][c]}/{args.steps} "
                          f"| {bits:.3f} | {h0:.3f} | {he:.3f} | {args.steps} steps "
                          f"| {s.raw_gathers} | {results[0]['decisions'][c]} | {_switches(results[0]['modes'][c])} |")
             print(lines[-1], flush=True)
