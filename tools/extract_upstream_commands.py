@@ -1,7 +1,7 @@
 """Turn Megatron-LM's own launch configurations into the flag-set fixtures that
 ``tests/megatron/test_mc_upstream_replay.py`` replays (test data, one file per command).
 
-    python tools/extract_upstream_commands.py /path/to/Megatron-LM core_v0.16.1 NAME...
+    python tools/extract_upstream_commands.py /path/to/Megatron-LM core_v0.19.0 NAME...
 
 NAME is a functional test case (``tests/functional_tests/test_cases/<model>/<case>``: its
 ``model_config.yaml`` MODEL_ARGS) or an example script (``examples/.../*.sh``: its bash arrays).

@@ -90,6 +90,22 @@ def upstream_flags() -> tuple[dict, ...]:
     return tuple(json.loads(_table_path().read_text())["flags"])
 
 
+def newer_release_flags(argv: list[str]) -> dict[str, str]:
+    """Options of ``argv`` that the installed release's table lacks but a newer upstream table
+    (``upstream_flags_core_v*.json``) has: ``{option: tag}`` (the oldest tag that has it)."""
+    known = {o for flag in upstream_flags() for o in flag["options"]}
+    newer = {}
+    for path in sorted(_HERE.glob("upstream_flags_core_v*.json"), key=lambda p: _version(p.stem.rsplit("_v", 1)[1])):
+        if path == _table_path():
+            continue
+        tag = "core_v" + path.stem.rsplit("_v", 1)[1]
+        for flag in json.loads(path.read_text())["flags"]:
+            for option in flag["options"]:
+                newer.setdefault(option, tag)
+    return {o: newer[o] for o in dict.fromkeys(w.split("=", 1)[0] for w in argv)
+            if o.startswith("--") and o not in known and o in newer}
+
+
 def _upstream_default(flag: dict):
     if flag["dest"] == "attention_backend":
         from megatron.core.transformer.enums import AttnBackend
@@ -683,6 +699,11 @@ def parse_args(argv: list[str] | None = None, **validate_kw) -> argparse.Namespa
 
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
+    if newer := newer_release_flags(argv):
+        from importlib.metadata import version
+
+        parser.error(f"{', '.join(newer)}: Megatron-LM flags of a newer release ({', '.join(sorted(set(newer.values())))}) "
+                     f"than the installed megatron-core {version('megatron-core')}; install that release's megatron-core")
     args = parser.parse_args(argv)
     args.explicit = explicit_dests(parser, argv)
     try:

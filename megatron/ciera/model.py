@@ -44,12 +44,13 @@ def _cpu_overrides(args) -> dict:
     if args.device != "cpu":
         return {} if _te_importable() else dict(
             apply_rope_fusion=False, moe_permute_fusion=False, moe_router_fusion=False, fp8=None, fp8_param=False,
-            cuda_graph_impl="none", enable_cuda_graph=False, external_cuda_graph=False)
+            cuda_graph_impl="none", enable_cuda_graph=False, external_cuda_graph=False,
+            use_transformer_engine_op_fuser=False)
     return dict(bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
                 apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
                 cross_entropy_loss_fusion=False, moe_grouped_gemm=False, moe_permute_fusion=False,
                 moe_router_fusion=False, tp_comm_overlap=False, use_cpu_initialization=True,
-                fp8=None, fp8_param=False, cuda_graph_impl="none")
+                fp8=None, fp8_param=False, cuda_graph_impl="none", use_transformer_engine_op_fuser=False)
 
 
 def transformer_config(args):
@@ -76,6 +77,10 @@ def transformer_config(args):
     )
     if args.swiglu:
         kw.update(activation_func=F.silu, gated_linear_unit=True)
+    if args.squared_relu:  # exclusive with --swiglu (validate_args)
+        from megatron.core.activations import squared_relu
+
+        kw.update(activation_func=squared_relu)
     if isinstance(args.cp_comm_type, list) and len(args.cp_comm_type) == 1:
         kw["cp_comm_type"] = args.cp_comm_type[0]
     if args.rope_type is None:
