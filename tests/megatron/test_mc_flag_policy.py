@@ -37,11 +37,12 @@ def test_persistent_ckpt_worker_without_async_save_is_inert():
     assert args.upstream_inert == ["--use-persistent-ckpt-worker (picks the background writer of --async-save)"]
 
 
-def test_a_gated_flag_with_its_gate_on_is_decided_by_its_own_row():
-    if flag_policy.policy("profile").kind != flag_policy.REJECTED:
-        pytest.skip("--profile is implemented: its steps are honoured with it")
-    with pytest.raises(ValueError, match="--profile"):
-        parse_and_validate([*BASE, "--profile", "--profile-step-start", "3"], world=1)
+def test_a_gated_flag_with_its_gate_on_is_decided_by_its_own_row(tmp_path):
+    assert flag_policy.policy("non_persistent_save_interval").kind == flag_policy.REJECTED
+    args = parse_and_validate([*BASE, "--non-persistent-save-interval", "5"], world=1)
+    assert args.upstream_inert[0].startswith("--non-persistent-save-interval (")
+    with pytest.raises(ValueError, match="--non-persistent-save-interval: not implemented"):
+        parse_and_validate([*BASE, "--save", str(tmp_path), "--non-persistent-save-interval", "5"], world=1)
 
 
 def test_gpu_only_rows_of_newer_releases():
