@@ -20,7 +20,7 @@ import os
 import re
 from pathlib import Path
 
-from . import flag_policy, profiling
+from . import batch_schedule, flag_policy, profiling
 from .data import TOKENIZERS as _TOKENIZERS
 from .feature_args import (add_checkpoint_eval_data_logging_args, feature_dests,
                            validate_checkpoint_eval_data_logging_args)
@@ -639,6 +639,7 @@ def _check_batch_and_schedule(args, err) -> None:
         err("--lr-decay-samples / --lr-warmup-samples go with --train-samples (as in Megatron-LM)")
     if not iters_mode and (args.lr_decay_iters is not None or args.lr_warmup_iters):
         err("--lr-decay-iters / --lr-warmup-iters go with --train-iters (as in Megatron-LM)")
+    batch_schedule.check_args(args, err)  # --rampup-batch-size / --step-batch-size-schedule: train_iters
     if args.lr_warmup_fraction is not None and (args.lr_warmup_iters or args.lr_warmup_samples):
         err("--lr-warmup-fraction is exclusive with --lr-warmup-iters / --lr-warmup-samples")
     # Scheduler lengths in samples (the scheduler steps by the global batch size).

@@ -112,12 +112,16 @@ SPLITS = ("train", "valid", "test")
 
 
 def split_sizes(args: argparse.Namespace) -> list[int]:
-    """Samples each split must provide (Megatron-LM's arithmetic): train ``train_iters x gbs``;
-    valid ``eval_iters x gbs`` per evaluation, ``train_iters // eval_interval + 1`` evaluations;
-    test ``eval_iters x gbs``."""
+    """Samples each split must provide (Megatron-LM's arithmetic): train the samples of
+    ``train_iters`` global batches (``train_iters x gbs`` without a batch ramp); valid
+    ``eval_iters x gbs`` per evaluation, ``train_iters // eval_interval + 1`` evaluations; test
+    ``eval_iters x gbs``."""
+    from .batch_schedule import BatchSchedule
+
     gbs = args.global_batch_size
     evals = args.train_iters // args.eval_interval + 1 if args.eval_interval else 1
-    return [args.train_iters * gbs, args.eval_iters * gbs * evals, args.eval_iters * gbs]
+    train = BatchSchedule.from_args(args).consumed_samples(args.train_iters)
+    return [train, args.eval_iters * gbs * evals, args.eval_iters * gbs]
 
 
 def _split_matrix(split: str) -> list:
@@ -284,10 +288,15 @@ def sample_order(args: argparse.Namespace, dp_rank: int) -> SampleOrder:
 
 
 def train_iterator(dataset, args: argparse.Namespace, *, dp_rank: int, start_iteration: int):
-    """Micro batches of this rank from ``start_iteration`` to ``--train-iters`` (one DataLoader)."""
-    nmb = args.num_microbatches
-    count = (args.train_iters - start_iteration) * nmb
-    return iter(_loader(dataset, sample_order(args, dp_rank), start_iteration * nmb, count, args.num_workers, False))
+    """Micro batches of this rank from ``start_iteration`` to ``--train-iters`` (one DataLoader):
+    the chunks of ``micro x dp`` samples after the samples consumed so far, which a batch ramp
+    (:mod:`megatron.ciera.batch_schedule`) makes a function of the iteration too."""
+    from .batch_schedule import BatchSchedule
+
+    schedule, per_chunk = BatchSchedule.from_args(args), args.micro_batch_size * args.data_parallel_size
+    first = schedule.consumed_samples(start_iteration) // per_chunk
+    count = schedule.consumed_samples(args.train_iters) // per_chunk - first
+    return iter(_loader(dataset, sample_order(args, dp_rank), first, count, args.num_workers, False))
 
 
 def eval_iterator(dataset, args: argparse.Namespace, *, dp_rank: int, eval_index: int):

@@ -83,6 +83,7 @@ _HONOURED = {
     "use_megatron_fsdp",  # megatron.ciera.megatron_fsdp
     "profile", "profile_step_start", "profile_step_end", "profile_ranks", "use_pytorch_profiler",  # .profiling
     "pytorch_profiler_collect_shapes", "pytorch_profiler_collect_callstack",
+    "rampup_batch_size", "step_batch_size_schedule",  # megatron.ciera.batch_schedule
     "squared_relu",  # model.transformer_config's activation, as upstream
     "enable_experimental",  # training.train sets megatron-core's experimental flag, as upstream
 }
@@ -124,7 +125,6 @@ _INERT_WITHOUT = {
 }
 
 _REJECTED = {
-    "rampup_batch_size": "batch-size ramp-up is not implemented (give a fixed --global-batch-size)",
     "use_legacy_models": "only Megatron-Core models are built",
     "yaml_cfg": "YAML configs are not read; give the flags",
     "heterogeneous_layers_config_path": "heterogeneous layer configs are not built",

@@ -31,7 +31,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from . import bucket_group
+from . import batch_schedule, bucket_group
 from . import fsdp2 as fsdp2_binding
 from . import megatron_fsdp
 from . import checkpointing, data, evaluation, failfast, logging_utils, parallel, profiling, timers, upstream_notices
@@ -262,6 +262,7 @@ class _Run:
         self.async_saves = checkpointing.async_queue(args)  # --async-save (None without)
         self.faults = failfast.FaultPlan.from_env()  # CIERA_FAULT_INJECT (tests); None normally
         self.profiler = profiling.StepProfiler.from_args(args, rank=dist.get_rank())  # --profile (None without)
+        self.batches = batch_schedule.BatchSchedule.from_args(args)  # the global batch of each iteration
 
 
 def _train_step(run: _Run, batches):
@@ -269,12 +270,13 @@ def _train_step(run: _Run, batches):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     args, timers = run.args, run.timers
+    global_batch_size, num_microbatches = run.batches.at_iteration(run.iteration)
     for chunk in run.model:
         chunk.zero_grad_buffer()
     run.optimizer.zero_grad()
     reports = get_forward_backward_func()(
         forward_step_func=_forward_step, data_iterator=batches if len(run.model) > 1 else batches[0], model=run.model,
-        num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+        num_microbatches=num_microbatches, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, forward_only=False)
     timers("optimizer", log_level=1).start(barrier=args.barrier_with_L1_time)
     update_successful, grad_norm, num_zeros = run.optimizer.step()
@@ -282,7 +284,7 @@ def _train_step(run: _Run, batches):
     if run.ciera_config is not None:  # gathers started ahead finished; overlapped ones encoded now
         _binding(args).after_optimizer_step(run.model, overlap_param_gather=args.overlap_param_gather)
     if update_successful:
-        run.scheduler.step(increment=args.global_batch_size)
+        run.scheduler.step(increment=global_batch_size)
     else:
         run.skipped += 1
     run.iteration += 1
@@ -327,10 +329,11 @@ def _log_interval(run: _Run, grad_norm, num_zeros, interval_start: float) -> Non
     throughput = (logging_utils.throughput_tflops(args, seconds_per_iteration=seconds, world_size=dist.get_world_size())
                   if args.log_throughput else None)
     lr = run.optimizer.param_groups[0]["lr"]
+    global_batch_size = run.batches.at_iteration(it - 1)[0]  # the batch of the step just done
     loss_scale = float(run.optimizer.get_loss_scale())
     _print0(logging_utils.iteration_line(
-        iteration=it, train_iters=args.train_iters, consumed_samples=it * args.global_batch_size,
-        elapsed_ms=seconds * 1000, lr=lr, global_batch_size=args.global_batch_size, losses={"lm loss": mean},
+        iteration=it, train_iters=args.train_iters, consumed_samples=run.batches.consumed_samples(it),
+        elapsed_ms=seconds * 1000, lr=lr, global_batch_size=global_batch_size, losses={"lm loss": mean},
         loss_scale=loss_scale, grad_norm=grad_norm, skipped=run.skipped, nan_iters=run.nan_iters,
         ciera_totals=interval_bytes, throughput=throughput,
         num_zeros=num_zeros if args.log_num_zeros_in_grad else None, params_norm=pnorm))
@@ -350,7 +353,7 @@ def _log_interval(run: _Run, grad_norm, num_zeros, interval_start: float) -> Non
             w.add_scalar("learning-rate", lr, it)
         if args.log_loss_scale_to_tensorboard:
             w.add_scalar("loss-scale", loss_scale, it)
-        w.add_scalar("batch-size", args.global_batch_size, it)
+        w.add_scalar("batch-size", global_batch_size, it)
         w.add_scalar("iteration-time", seconds, it)
         if grad_norm is not None:
             w.add_scalar("grad-norm", grad_norm, it)

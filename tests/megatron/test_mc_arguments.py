@@ -100,7 +100,7 @@ def test_ciera_tuning_flags_without_ciera_allgather_are_inert():
     (["--micro-batch-size", "0"], 1, "--micro-batch-size 0 must be >= 1"),
     (["--global-batch-size", "-4"], 1, "--global-batch-size -4 must be >= 1"),
     (["--global-batch-size", "0"], 1, "--global-batch-size 0 must be >= 1"),
-    (["--rampup-batch-size", "16", "16", "100"], 1, "--rampup-batch-size: batch-size ramp-up is not implemented"),
+    (["--rampup-batch-size", "16", "16", "100"], 1, "--rampup-batch-size needs --train-samples"),
     (["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"], 1,
      "--use-torch-fsdp2 is not supported with MCore's distributed optimizer"),
     (["--use-megatron-fsdp"], 1, "--use-megatron-fsdp with --ckpt-format torch_dist: Megatron FSDP only supports"),
@@ -191,7 +191,7 @@ def test_policy_table_classifies_flags():
     assert fp.policy("save").kind == "feature:checkpoint" and fp.policy("eval_iters").kind == "feature:eval"
     assert fp.policy("num_workers").kind == "feature:data" and fp.policy("wandb_project").kind == "feature:logging"
     assert fp.policy("log_interval").kind == fp.HONOURED
-    assert fp.policy("rampup_batch_size").kind == fp.REJECTED and "ramp-up" in fp.policy("rampup_batch_size").reason
+    assert fp.policy("rampup_batch_size").kind == fp.HONOURED  # megatron.ciera.batch_schedule
     assert fp.policy("error_injection_rate") == fp.Policy(fp.REJECTED, fp.DEFAULT_REASON)
 
 
