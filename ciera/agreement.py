@@ -87,9 +87,10 @@ plan (with ``replay=True``)."""
 
 
 def plan_from_table(column: Sequence[tuple[int, int]], *, codec_names: dict[int, str], shard_bytes: int,
-                    name: str = "bucket") -> Plan:
+                    name: str = "bucket", per_rank_sizes: bool = True) -> Plan:
     """The plan of one bucket from its ``(flag, needed)`` pair of every rank (pure, tested on its
-    own). ``codec_names`` maps codec ids to names."""
+    own). ``codec_names`` maps codec ids to names; ``per_rank_sizes=False`` never plans per-rank
+    sizes (:attr:`ciera.CieraConfig.per_rank_sizes`)."""
     proposals = [p for p, _ in column]
     stale = tuple(r for r, (p, n) in enumerate(column) if p == FLAG_REPLAY and n != 0)
     failed = tuple(sorted({r for r, p in enumerate(proposals) if p == FLAG_FAILED} | set(stale)))
@@ -109,7 +110,7 @@ def plan_from_table(column: Sequence[tuple[int, int]], *, codec_names: dict[int,
     size = max(aligned)
     if size >= shard_bytes:
         return RAW_PLAN
-    uneven = sum(aligned) <= (1.0 - UNEVEN_MIN_SAVING) * len(aligned) * size
+    uneven = per_rank_sizes and sum(aligned) <= (1.0 - UNEVEN_MIN_SAVING) * len(aligned) * size
     return Plan(raw=False, codec_name=codec_names[proposals[0]], size=size, payload_bytes=sum(needed),
                 sizes=tuple(aligned) if uneven else ())
 

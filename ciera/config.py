@@ -72,6 +72,13 @@ class CieraConfig:
     included; a step's later gathers send nothing; costs the unsharded parameters' memory);
     ``none``: nothing (every ZeRO-3 gather plain). Ignored by the persistent-buffer gather."""
 
+    per_rank_sizes: bool = True
+    """Compressed gathers send each rank's own payload size (16-aligned; an uneven all-gather) when
+    that saves at least :data:`ciera.agreement.UNEVEN_MIN_SAVING` of the equal-size gather, where
+    every rank sends the largest payload (a shard of experts next to one of router, norms and
+    attention). ``False``: always the equal-size gather (one collective; the baseline that measures
+    the saving). The gathered values are the same either way."""
+
     def __post_init__(self):
         def bad(msg):
             raise ValueError(f"CieraConfig: {msg}")
@@ -92,6 +99,8 @@ class CieraConfig:
             bad(f"verify_interval={self.verify_interval} must be >= 0")
         if self.reevaluate_interval < 1:
             bad(f"reevaluate_interval={self.reevaluate_interval} must be >= 1")
+        if not isinstance(self.per_rank_sizes, bool):
+            bad(f"per_rank_sizes={self.per_rank_sizes!r} must be a bool")
         if self.hysteresis < 0:
             bad(f"hysteresis={self.hysteresis} must be >= 0")
 

@@ -623,7 +623,8 @@ def _prepare(gathers: list[CieraAllGather], *, group, replays) -> list[Plan]:
     plans = []
     for g, column in zip(gathers, table):
         plan = plan_from_table(column, codec_names={c.codec_id: n for n, c in g._codecs.items()},
-                               shard_bytes=g._raw_bucket_bytes() // world, name=g.name)
+                               shard_bytes=g._raw_bucket_bytes() // world, name=g.name,
+                               per_rank_sizes=g.config.per_rank_sizes)
         g.apply(plan)
         plans.append(g.plan)
     return plans

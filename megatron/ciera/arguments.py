@@ -165,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
             seen.update(options)
             _add_upstream(g, dict(flag, options=options))
 
+    from ciera.agreement import UNEVEN_MIN_SAVING
     from ciera.config import CieraConfig  # the library's defaults, quoted in the help below
 
     d = CieraConfig()
@@ -209,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "parameters (the memory ZeRO-3 saves), any codec, delta included, and a step's backward "
                         "gathers send nothing; none: every gather plain. Ignored where the gathered buffer persists (the "
                         "distributed optimizer; Megatron-FSDP's optim and optim_grads)")
+    g.add_argument("--ciera-per-rank-sizes", type=_bool, default=None, metavar="{true,false}",
+                   help=f"compressed gathers send each rank's own payload size when that saves at least "
+                        f"{UNEVEN_MIN_SAVING * 100:g}%% of the equal-size gather (default {str(d.per_rank_sizes).lower()}; false: every rank "
+                        "sends the largest payload, one equal all-gather: the baseline that measures the saving)")
     g.add_argument("--ciera-snapshot-dir", default=None, metavar="DIR",
                    help="rank 0 saves the gathered parameters here for tools/exponent_stats.py "
                         "(default: none; needs --ciera-snapshot-interval)")
@@ -727,5 +732,6 @@ def ciera_config_from_args(args: argparse.Namespace):
         "selection": args.ciera_selection,
         "verify_interval": args.ciera_verify_interval,
         "cache": args.ciera_cache,
+        "per_rank_sizes": args.ciera_per_rank_sizes,
     }
     return CieraConfig(**{k: v for k, v in fields.items() if v is not None})

@@ -24,6 +24,12 @@ def test_per_rank_sizes_when_they_save_enough():
     assert sum(p.sizes) <= (1 - UNEVEN_MIN_SAVING) * 3 * p.size
 
 
+def test_per_rank_sizes_off_sends_the_largest_payload_from_every_rank():
+    column = [(2, 1000), (2, 1201), (2, 990)]
+    p = plan_from_table(column, codec_names=NAMES, shard_bytes=4096, per_rank_sizes=False)
+    assert p == Plan(raw=False, codec_name="delta", size=1216, payload_bytes=3191)
+
+
 def test_any_raw_request_or_failure_makes_it_raw_everywhere():
     assert plan([(2, 100), (FLAG_RAW, 0)]) == Plan(raw=True)
     assert plan([(FLAG_FAILED, 0), (2, 100), (FLAG_FAILED, 0)]) == Plan(raw=True, failed_ranks=(0, 2))

@@ -18,6 +18,7 @@ def test_defaults_are_valid_and_frozen():
     (dict(delta_block_size=4), "delta_block_size=4"),
     (dict(warmup_gathers=0), "warmup_gathers=0"),
     (dict(verify_interval=-1), "verify_interval"),
+    (dict(per_rank_sizes="no"), "per_rank_sizes='no' must be a bool"),
 ])
 def test_invalid_values_name_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
