@@ -212,8 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "distributed optimizer; Megatron-FSDP's optim and optim_grads)")
     g.add_argument("--ciera-per-rank-sizes", type=_bool, default=None, metavar="{true,false}",
                    help=f"compressed gathers send each rank's own payload size when that saves at least "
-                        f"{UNEVEN_MIN_SAVING * 100:g}%% of the equal-size gather (default {str(d.per_rank_sizes).lower()}; false: every rank "
-                        "sends the largest payload, one equal all-gather: the baseline that measures the saving)")
+                        f"{UNEVEN_MIN_SAVING * 100:g}%% of the equal-size gather (default "
+                        f"{str(d.per_rank_sizes).lower()}; false: every rank sends the largest payload, one equal "
+                        "all-gather: the baseline that measures the saving)")
     g.add_argument("--ciera-snapshot-dir", default=None, metavar="DIR",
                    help="rank 0 saves the gathered parameters here for tools/exponent_stats.py "
                         "(default: none; needs --ciera-snapshot-interval)")
