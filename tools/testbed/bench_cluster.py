@@ -48,7 +48,13 @@ TRAIN_MODES = {
     "auto": ["--ciera-allgather", "--ciera-selection", "auto", "--ciera-codec", "auto"],
     "exponent_reuse": ["--ciera-allgather", "--ciera-selection", "always", "--ciera-codec", "exponent_reuse"],
     "delta": ["--ciera-allgather", "--ciera-selection", "always", "--ciera-codec", "delta"],
+    # the same codecs with every rank sending the largest payload: what per-rank sizes save
+    "exponent_reuse-equal": ["--ciera-allgather", "--ciera-selection", "always", "--ciera-codec", "exponent_reuse",
+                             "--ciera-per-rank-sizes", "false"],
+    "delta-equal": ["--ciera-allgather", "--ciera-selection", "always", "--ciera-codec", "delta",
+                    "--ciera-per-rank-sizes", "false"],
 }
+DEFAULT_TRAIN_MODES = ("baseline", "auto", "exponent_reuse", "delta")
 SHA = re.compile(r"^params sha256: ([0-9a-f]{64})$", re.M)
 TOTAL = re.compile(r"^total\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x", re.M)
 TIMER = re.compile(r"^\s+([a-z][a-z0-9-]+) \.*: \(([\d.]+), ([\d.]+)\)$", re.M)
@@ -252,7 +258,8 @@ def main(argv=None) -> int:
                         "on a shared machine with autogroup scheduling, where others' nice 19 does not yield")
     p.add_argument("--lock", type=Path, default=None,
                    help="flock this file around each measurement run (probe, gather, training launch)")
-    p.add_argument("--train-modes", nargs="*", default=list(TRAIN_MODES), choices=list(TRAIN_MODES))
+    p.add_argument("--train-modes", nargs="*", default=list(DEFAULT_TRAIN_MODES), choices=list(TRAIN_MODES),
+                   help="*-equal: the codec with --ciera-per-rank-sizes false (the saving of per-rank sizes)")
     p.add_argument("--train-gather", nargs="+", default=["overlap", "sync"], choices=["overlap", "sync"])
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=2)
