@@ -35,10 +35,9 @@ EXPECTED_REJECTIONS = {
 # Run in the default suite (4 ranks each); every fixture runs under ``slow``.
 DEFAULT_RUNS = {"gpt3_mcore_te_tp2_pp1_multi_dist_optimizer_instances"}
 # Shrunk runs that cannot run on CPU, with megatron-core's reason.
-CPU_UNRUNNABLE = {
-    "gpt3_mcore_te_tp2_pp2_ep4_etp1_selective_recompute_experimental":
-        "--recompute-modules moe_act needs --moe-grouped-gemm (megatron-core), a GPU kernel",
-}
+CPU_UNRUNNABLE = {name: "--recompute-modules moe_act needs --moe-grouped-gemm (megatron-core), a GPU kernel"
+                  for name in ("gpt3_mcore_te_tp2_pp2_ep4_etp1_selective_recompute_experimental",
+                               "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph")}
 
 
 def _flags(path: Path) -> list[str]:
