@@ -33,6 +33,15 @@ changes one, naming it and what to re-check).
   affected). Gate: acts only when the checkpoint's structure differs from this run's. No upstream
   fix yet: retired when ``ChainedOptimizer.load_state_dict`` (or Megatron-LM's loader) regroups a
   fully reshardable optimizer state across expert-parallel sizes.
+* :func:`fsdp_dtensor_every_param_state` (saving and loading ``--ckpt-format fsdp_dtensor``).
+  Megatron-FSDP shards the flat buffer, so a parameter can lie wholly on other ranks; torch's
+  optimizer then keeps no state for it on this rank (and megatron-core's dummy step before a load
+  skips it too), so the ranks' ``fsdp_dtensor`` optimizer states hold different parameter names.
+  Megatron-LM's state-dict rewriting (``handle_swiglu_in_state_dict``,
+  ``preprocess_state_dict_for_uneven_dtensor``) runs collectives per entry, in the dict's order:
+  with different names the ranks' collectives pair up wrongly (an invalid-chunk AssertionError, or
+  a hang). Checked: 0.16.1. Gate: acts only on names missing from a rank's state. No upstream fix
+  yet: retired when the fsdp_dtensor optimizer state lists every parameter on every rank.
 """
 
 from __future__ import annotations
@@ -48,7 +57,7 @@ from megatron.ciera.upstream_patch import UpstreamMethod
 
 __all__ = ["UPSTREAM_METHODS", "KNOWN_SOURCES", "sub_optimizers",
            "upstream_misplaces_padded_buckets", "in_buffer_layout", "bucket_padding_fix", "torch_adam_step_fix",
-           "fit_optimizer_layout"]
+           "fit_optimizer_layout", "fsdp_dtensor_every_param_state"]
 
 _DISTOPT = "megatron.core.optimizer.distrib_optimizer"
 _OPTIMIZER = "megatron.core.optimizer.optimizer"
@@ -263,3 +272,33 @@ def fit_optimizer_layout(loaded: dict, optimizer) -> dict:
             part["param_state"] = tensors["param_state"]
         out[i] = part
     return out[0] if single else out
+
+
+def fsdp_dtensor_every_param_state(optimizer, state: dict) -> dict:
+    """``state`` (the optimizer's ``fsdp_dtensor`` sharded state dict: one optimizer's, or a
+    chained optimizer's ``{index: ...}``) with every sub-optimizer's ``state`` listing every
+    parameter, in parameter-group order (the same on every rank). A parameter this rank keeps no
+    state for (its shard is empty here) gets a placeholder: the entry of another parameter with
+    each DTensor replaced by an empty one shaped as this parameter (its local shard, empty), other
+    values (``step``: the same for every parameter) as they are. Placeholders write nothing and read
+    nothing; the live optimizer is not changed (a shallow copy)."""
+    from torch.distributed.tensor import DTensor
+
+    subs = sub_optimizers(optimizer)
+    parts = [state] if len(subs) == 1 else [state[i] for i in range(len(subs))]
+    fixed = []
+    for opt, part in zip(subs, parts):
+        own = part["state"]
+        template = next((v for v in own.values() if isinstance(v, dict)), None)
+        params = [p for g in opt.optimizer.param_groups for p in g["params"]]
+        names = [opt._param_name(p) for p in params]
+        if template is None:  # (no state at all: nothing to copy the shape of an entry from)
+            fixed.append(part)
+            continue
+        entries = {}
+        for param, name in zip(params, names):
+            entries[name] = own.get(name) or {
+                k: (torch.zeros_like(param) if isinstance(v, DTensor) else v) for k, v in template.items()}
+        entries.update((k, v) for k, v in own.items() if k not in entries)
+        fixed.append({**part, "state": entries})
+    return fixed[0] if len(subs) == 1 else {**state, **dict(enumerate(fixed))}

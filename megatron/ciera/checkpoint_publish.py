@@ -137,9 +137,11 @@ def verify(folder: str) -> list[str]:
     problems = []
     if not os.path.isdir(folder):
         problems.append(f"{folder} does not exist")
-    elif not (os.path.isfile(os.path.join(folder, "metadata.json")) or torch_checkpoint.is_torch_checkpoint(folder)):
+    elif not (os.path.isfile(os.path.join(folder, "metadata.json")) or torch_checkpoint.is_torch_checkpoint(folder)
+              or os.path.isfile(os.path.join(folder, ".metadata"))):  # (.metadata alone: fsdp_dtensor)
         problems.append(f"{os.path.join(folder, 'metadata.json')} is missing (not a complete torch_dist checkpoint, "
-                        f"nor a torch one with mp_rank_*/{torch_checkpoint.MODEL_FILE})")
+                        f"nor a torch one with mp_rank_*/{torch_checkpoint.MODEL_FILE}, nor an fsdp_dtensor one "
+                        "with .metadata)")
     elif os.path.isfile(listing):
         with open(listing) as f:
             expected = dict(reversed(line.rstrip("\n").split("  ", 1)) for line in f if line.strip())

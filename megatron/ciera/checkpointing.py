@@ -37,6 +37,11 @@ Nothing lost:
 A checkpoint from another expert-parallel size loads too: the optimizers' common part is
 regrouped for this run's chained optimizers.
 
+``--ckpt-format fsdp_dtensor`` (the one format of ``--use-megatron-fsdp``, and only of it) writes
+Megatron-LM's torch.distributed.checkpoint of Megatron-FSDP's sharded DTensors
+(:mod:`megatron.ciera.fsdp_dtensor_checkpoint`), published and verified the same way; it is not
+saved asynchronously (as upstream).
+
 megatron-core's checkpoint behaviours that would lose or refuse state (the optimizer state of
 every bucket after the first misplaced in ``fully_reshardable`` checkpoints, torch Adam's ``step``
 on load, a change of expert-parallel size) are worked around in
@@ -56,7 +61,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron.ciera import torch_checkpoint
+from megatron.ciera import fsdp_dtensor_checkpoint, torch_checkpoint
 from megatron.ciera.checkpoint_fixes import fit_optimizer_layout, torch_adam_step_fix
 from megatron.ciera.checkpoint_publish import (CHECKSUMS, TRACKER, begin, complete_iterations, iteration_dir,
                                                latest_iteration, print0, publish, remove_interrupted, verify)
@@ -229,6 +234,12 @@ def save(args: argparse.Namespace, *, iteration: int, model, optimizer, schedule
         _save_torch(args, iteration=iteration, model=model, optimizer=optimizer, scheduler=scheduler,
                     flops_so_far=flops_so_far)
         return
+    if args.ckpt_format == "fsdp_dtensor":  # Megatron-FSDP's DTensors through torch.distributed.checkpoint
+        partial = begin(root=args.save, iteration=iteration)
+        fsdp_dtensor_checkpoint.save(args, folder=partial, iteration=iteration, model=model, optimizer=optimizer,
+                                     scheduler=scheduler, flops_so_far=flops_so_far)
+        publish(root=args.save, iteration=iteration)
+        return
     state = sharded_state_dict(model, optimizer, metadata=CONTENT_METADATA, with_optimizer=not args.no_save_optim,
                                 with_rng=not args.no_save_rng, is_loading=False)
     state.update(common_entries(args, iteration=iteration, scheduler=scheduler, flops_so_far=flops_so_far))
@@ -303,12 +314,18 @@ def load(args: argparse.Namespace, *, model, optimizer, scheduler) -> int:
     plan = _choose(args)
     if plan is None:
         return 0
-    fmt = "torch" if torch_checkpoint.is_torch_checkpoint(plan.folder) else "torch_dist"
+    fmt = ("torch" if torch_checkpoint.is_torch_checkpoint(plan.folder) else
+           "fsdp_dtensor" if fsdp_dtensor_checkpoint.is_fsdp_dtensor_checkpoint(plan.folder) else "torch_dist")
     if fmt != getattr(args, "ckpt_format", "torch_dist"):
         raise SystemExit(f"{plan.folder} is a --ckpt-format {fmt} checkpoint but this run has --ckpt-format "
                          f"{args.ckpt_format}: pass --ckpt-format {fmt} to load it")
+    if getattr(args, "use_megatron_fsdp", False) != (fmt == "fsdp_dtensor"):
+        raise SystemExit(f"{plan.folder} is a --ckpt-format {fmt} checkpoint: Megatron-FSDP (--use-megatron-fsdp) "
+                         "reads and writes fsdp_dtensor checkpoints, and only it does")
     if fmt == "torch":
         return _load_torch(args, plan, model=model, optimizer=optimizer, scheduler=scheduler)
+    if fmt == "fsdp_dtensor":
+        return _load_fsdp_dtensor(args, plan, model=model, optimizer=optimizer, scheduler=scheduler)
     common = dist_checkpointing.load_common_state_dict(plan.folder)
     saved_args = common.get("args")
     if saved_args is not None:
@@ -370,3 +387,24 @@ def _load_torch(args, plan: _LoadPlan, *, model, optimizer, scheduler) -> int:
                     load_optimizer=load_optimizer if with_optimizer else None,
                     with_rng=not (args.finetune or args.no_load_rng) and "rng_state" in state,
                     note=", --ckpt-format torch")
+
+
+def _load_fsdp_dtensor(args, plan: _LoadPlan, *, model, optimizer, scheduler) -> int:
+    """``--ckpt-format fsdp_dtensor``: the model's shapes checked first, then everything read in place
+    (:mod:`megatron.ciera.fsdp_dtensor_checkpoint`)."""
+    saved_args = fsdp_dtensor_checkpoint.saved_args_of(plan.folder)
+    if saved_args is not None:
+        _check_shapes(saved_args, args)
+    keys = fsdp_dtensor_checkpoint.saved_keys(plan.folder)
+    with_optimizer = not (args.finetune or args.no_load_optim) and "optimizer" in keys
+    with_rng = not (args.finetune or args.no_load_rng)
+    if with_rng and saved_args is not None and parallel_layout(saved_args) != parallel_layout(args):
+        print0(f"note: checkpoint written at (pp, tp) = {parallel_layout(saved_args)}, this run has "
+               f"{parallel_layout(args)}: RNG state not loaded (as Megatron-LM)")
+        with_rng = False
+    entries = fsdp_dtensor_checkpoint.load(args, folder=plan.folder, model=model, optimizer=optimizer,
+                                           scheduler=scheduler, with_optimizer=with_optimizer, with_rng=with_rng)
+    iteration = 0 if args.finetune else int(entries["iteration"])
+    print0(f"loaded checkpoint {plan.folder} (iteration {plan.iteration}, --ckpt-format fsdp_dtensor)"
+           + ("; --finetune: starting at iteration 0" if args.finetune else ""))
+    return iteration

@@ -34,12 +34,6 @@ __all__ = ["check_args", "wrap", "sync_params", "full_tensor", "install", "after
 _ATTR = "_ciera_megatron_fsdp_gathers"  # the _Gathers of a wrapped chunk
 
 
-def _option(dest: str) -> str:
-    from .arguments import _option as option
-
-    return option(dest)
-
-
 def check_args(args, err: Callable[[str], None]) -> None:
     """Megatron-LM's own checks of ``--use-megatron-fsdp`` (``megatron/training/arguments.py``:
     ``--ckpt-format fsdp_dtensor``, no ``--check-weight-hash-across-dp-replicas-interval`` under
@@ -60,10 +54,9 @@ def check_args(args, err: Callable[[str], None]) -> None:
             "the one that steps Megatron-FSDP's shards)")
     if args.pipeline_model_parallel_size != 1:
         err("--use-megatron-fsdp with pipeline parallelism: not supported by this entry point")
-    for dest in ("save", "load"):
-        if getattr(args, dest):
-            err(f"{_option(dest)} with --use-megatron-fsdp: fsdp_dtensor checkpoints are not written or read "
-                "by this entry point yet")
+    if args.async_save and args.ckpt_format == "fsdp_dtensor":
+        err("--async-save with --ckpt-format fsdp_dtensor: not supported (as in Megatron-LM: only torch_dist "
+            "checkpoints are saved asynchronously); save without --async-save")
     if args.ciera_allgather and getattr(args, "fp8_param_gather", False):
         err("--ciera-allgather with --use-megatron-fsdp and --fp8-param-gather: not supported")
     if args.ciera_allgather:

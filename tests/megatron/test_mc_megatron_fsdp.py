@@ -3,7 +3,8 @@ megatron.ciera.cpu_compat: every --data-parallel-sharding-strategy it accepts tr
 with the distributed optimizer's per-iteration losses (float.hex), and with --ciera-allgather bit
 for bit as without (losses and the final params sha256: Megatron-FSDP's sharded parameters, read
 whole), each bucket gathered once per step (ZeRO-3 layer buckets: forward and backward of every
-micro batch) and encoded once per step."""
+micro batch) and encoded once per step. --ckpt-format fsdp_dtensor checkpoints resume the
+uninterrupted run bit for bit."""
 
 import functools
 import os
@@ -101,6 +102,61 @@ def test_megatron_fsdp_zero1_zero2_bit_identical_with_ciera(name):
     assert run(*strategy(name)).losses == ddp().losses
 
 
+# -- fsdp_dtensor checkpoints: a resume continues the uninterrupted run bit for bit ------------------
+def stop_and_resume(tmp_path, *flags, at=2, nproc=2, gbs=8):
+    """Train to ``at`` saving a checkpoint there (``--exit-interval``), then resume to ``ITERS``."""
+    ckpt = str(tmp_path / "ckpt")
+    first = run_pretrain([*MFSDP, "--train-iters", str(ITERS), "--global-batch-size", str(gbs), *flags,
+                          "--save", ckpt, "--save-interval", str(at), "--exit-interval", str(at)],
+                         nproc=nproc, timeout=300)
+    assert first.returncode == 0, first.output[-4000:]
+    resumed = run_pretrain([*MFSDP, "--train-iters", str(ITERS), "--global-batch-size", str(gbs), *flags,
+                            "--load", ckpt], nproc=nproc, timeout=300)
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert "--ckpt-format fsdp_dtensor" in resumed.output and "loaded checkpoint" in resumed.output
+    return first, resumed
+
+
+def assert_resumes_bit_exact(tmp_path, *flags, nproc=2, gbs=8):
+    from megatron.ciera import checkpointing, fsdp_dtensor_checkpoint
+
+    whole = run(*flags, nproc=nproc, gbs=gbs)
+    first, resumed = stop_and_resume(tmp_path, *flags, nproc=nproc, gbs=gbs)
+    folder = checkpointing.iteration_dir(str(tmp_path / "ckpt"), 2)
+    assert sorted(os.listdir(folder)) == sorted([".metadata", checkpointing.CHECKSUMS]
+                                                + [f"__{r}_0.distcp" for r in range(nproc)])
+    assert fsdp_dtensor_checkpoint.saved_keys(folder) == {  # Megatron-LM's keys
+        "model", "optimizer", "opt_param_scheduler", "rng_state", "iteration", "checkpoint_version", "args",
+        "num_floating_point_operations_so_far"}
+    assert first.losses == {i: whole.losses[i] for i in (1, 2)}
+    assert resumed.losses == {i: whole.losses[i] for i in range(3, ITERS + 1)}, "losses after the resume differ"
+    assert resumed.sha256 == whole.sha256, "final params differ"
+    return whole, resumed
+
+
+def test_megatron_fsdp_zero3_resume_is_bit_exact_with_ciera(tmp_path):
+    """optim_grads_params with CIERA: saved at 2, resumed to 4, the uninterrupted run's losses and
+    params (which equal the stock gather's: test_megatron_fsdp_zero3_is_bit_identical_with_ciera).
+    The resumed run's gathers start from empty caches: each bucket's first gather after the load is
+    raw (the uninterrupted run had none raw in iterations 3-4) and the losses show it was right."""
+    whole, resumed = assert_resumes_bit_exact(tmp_path, *strategy("optim_grads_params"), *CIERA)
+    assert {raw for _, raw, _ in last_table(whole).values()} == {0}
+    assert {raw for _, raw, _ in last_table(resumed).values()} == {1}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["optim", "optim_grads", "optim_grads_params"])
+@pytest.mark.parametrize("ciera", [False, True], ids=["plain", "ciera"])
+def test_megatron_fsdp_resume_is_bit_exact(tmp_path, name, ciera):
+    assert_resumes_bit_exact(tmp_path, *strategy(name), *(CIERA if ciera else ()))
+
+
+@pytest.mark.slow
+def test_megatron_fsdp_expert_parallel_resume_is_bit_exact(tmp_path):
+    assert_resumes_bit_exact(tmp_path, *strategy("optim_grads_params"), "--expert-model-parallel-size", "2", *CIERA,
+                             nproc=4, gbs=16)
+
+
 # -- the flags: upstream's rules for --use-megatron-fsdp ------------------------------------------
 ARGS = [*TINY_FLAGS, "--use-megatron-fsdp", "--use-distributed-optimizer",
         "--no-gradient-accumulation-fusion", "--device", "cpu"]
@@ -119,7 +175,8 @@ def test_megatron_fsdp_flags_accepted():
 @pytest.mark.parametrize("extra, message", [
     ([*strategy("optim")], "--ckpt-format torch_dist: Megatron FSDP only supports the fsdp_dtensor"),
     (["--ckpt-format", "fsdp_dtensor", *strategy("no_shard")], "--data-parallel-sharding-strategy no_shard"),
-    (["--ckpt-format", "fsdp_dtensor", *strategy("optim"), "--save", "/tmp/x"], "--save with --use-megatron-fsdp"),
+    (["--ckpt-format", "fsdp_dtensor", *strategy("optim"), "--save", "/tmp/x", "--async-save"],
+     "--async-save with --ckpt-format fsdp_dtensor: not supported"),
     (["--ckpt-format", "fsdp_dtensor", *strategy("optim_grads_params"),
       "--check-weight-hash-across-dp-replicas-interval", "2"], "--check-weight-hash-across-dp-replicas-interval"),
 ])
