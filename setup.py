@@ -78,7 +78,10 @@ setup(
         "gpu": ["transformer-engine[pytorch]"],
         "plots": ["matplotlib"],
         # What the tests need besides triton (whose interpreter runs the kernel tests on CPU).
-        "dev": ["pytest>=8", "hypothesis>=6", "matplotlib", "tensorboard", "wandb"],
+        # transformers: --tokenizer-type GPT2BPETokenizer / HuggingFaceTokenizer; tiktoken and sentencepiece:
+        # TikTokenizer and the SentencePiece (Llama 2) tokenizers (megatron-core's own classes).
+        "dev": ["pytest>=8", "hypothesis>=6", "matplotlib", "tensorboard", "wandb", "transformers", "tiktoken",
+                "sentencepiece"],
         "logging": ["tensorboard", "wandb"],
         # Peers in tools/bench_codec.py (optional rows): ZipNN and zstd.
         "peers": ["zipnn", "zstandard"],

@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 
 from . import batch_schedule, flag_policy, profiling
-from .data import TOKENIZERS as _TOKENIZERS
+from .data import MODEL_FILE_TOKENIZERS, TOKENIZERS as _TOKENIZERS
 from .feature_args import (add_checkpoint_eval_data_logging_args, feature_dests,
                            validate_checkpoint_eval_data_logging_args)
 
@@ -375,8 +375,8 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None, *, de
         args.tokenizer_type = "NullTokenizer" if args.vocab_size is not None else "GPT2BPETokenizer"
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
         err("--tokenizer-type NullTokenizer needs --vocab-size")
-    if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
-        err("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model")
+    if args.tokenizer_type in ("HuggingFaceTokenizer", *MODEL_FILE_TOKENIZERS) and not args.tokenizer_model:
+        err(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
     if args.tokenizer_type == "GPT2BPETokenizer" and not (args.vocab_file and args.merge_file):
         err("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
     if args.tokenizer_type not in _TOKENIZERS:

@@ -28,8 +28,45 @@ from collections import OrderedDict
 import torch
 
 
-TOKENIZERS = ("NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer")
+MODEL_FILE_TOKENIZERS = {"TikTokenizer": "tiktoken", "SentencePieceTokenizer": "sentencepiece",
+                         "GPTSentencePieceTokenizer": "sentencepiece", "Llama2Tokenizer": "sentencepiece"}
+"""``--tokenizer-type`` values megatron-core's own builder makes from ``--tokenizer-model`` (a local
+file), with the package each needs."""
+
+TOKENIZERS = ("NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", *MODEL_FILE_TOKENIZERS)
 """The ``--tokenizer-type`` values :func:`build_tokenizer` builds."""
+
+TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "tiktoken_pattern",
+                   "tiktoken_num_special_tokens", "tokenizer_special_tokens", "tokenizer_sentencepiece_legacy")
+"""Flags :func:`build_tokenizer` honours (``--tokenizer-special-tokens`` and the ``--tiktoken-*`` /
+SentencePiece ones through megatron-core's builder)."""
+
+
+def _megatron_tokenizer(args: argparse.Namespace):
+    """TikToken and SentencePiece (Llama 2) tokenizers from ``--tokenizer-model``, by megatron-core's
+    own builder (the one upstream's ``pretrain_gpt.py`` calls; it moved in 0.19). GPT2BPETokenizer is
+    not built there: megatron-core's asks the Hugging Face hub for ``gpt2``'s configuration."""
+    import importlib
+
+    package = MODEL_FILE_TOKENIZERS[args.tokenizer_type]
+    try:
+        importlib.import_module(package)
+    except ImportError:
+        raise SystemExit(f"--tokenizer-type {args.tokenizer_type} needs the '{package}' package "
+                         f"(pip install {package})") from None
+    if not os.path.isfile(args.tokenizer_model):
+        raise SystemExit(f"--tokenizer-model {args.tokenizer_model}: no such file (nothing is downloaded)")
+    try:
+        from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer as build
+    except ImportError:  # megatron-core < 0.19
+        from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer as build
+    try:
+        return build(args)
+    except AssertionError as exc:  # megatron-core's consistency checks of the file against the flags
+        hint = (f"; TikTokenizer: --vocab-size {args.vocab_size} must be at most --tiktoken-num-special-tokens "
+                f"{args.tiktoken_num_special_tokens} + the file's entries" if args.tokenizer_type == "TikTokenizer" else "")
+        raise SystemExit(f"--tokenizer-model {args.tokenizer_model}: megatron-core's {args.tokenizer_type} rejects it "
+                         f"({exc or 'a consistency check failed'}){hint}") from None
 
 
 def _gpt2_bpe(cls, vocab_file: str, merge_file: str):
@@ -86,8 +123,10 @@ def build_tokenizer(args: argparse.Namespace):
         return _HFTokenizer(args.tokenizer_model)
     if args.tokenizer_type == "GPT2BPETokenizer":
         return _HFTokenizer(args.vocab_file, vocab_file=args.vocab_file, merge_file=args.merge_file)
+    if args.tokenizer_type in MODEL_FILE_TOKENIZERS:
+        return _megatron_tokenizer(args)
     raise SystemExit(f"--tokenizer-type {args.tokenizer_type} is not supported by this entry point; "
-                     "use NullTokenizer or HuggingFaceTokenizer")
+                     f"use one of {', '.join(TOKENIZERS)}")
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:

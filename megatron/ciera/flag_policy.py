@@ -143,7 +143,7 @@ _FEATURE_PATTERNS = [
                    r"dist_ckpt_.*|ckpt_.*|auto_detect_ckpt_format|non_persistent_.*|pretrained_checkpoint|"
                    r"use_dist_ckpt|use_checkpoint_opt_param_scheduler|use_checkpoint_args|exit_on_missing_checkpoint|save_retain_interval|no_save_optim|no_save_rng|save_optim|save_rng"),
     ("eval", r"eval_interval|eval_iters|skip_train|full_validation|multiple_validation_sets|test_mode"),
-    ("data", r"split|data_path|tokenizer_type|tokenizer_model|vocab_file|merge_file|vocab_extra_ids|train_data_path|valid_data_path|test_data_path|data_cache_path|num_workers|"
+    ("data", r"split|data_path|tokenizer_.*|tiktoken_.*|vocab_file|merge_file|vocab_extra_ids|train_data_path|valid_data_path|test_data_path|data_cache_path|num_workers|"
              r"per_split_data_args_path|data_args_path|mmap_bin_files|no_mmap_bin_files|create_attention_mask_in_dataloader|"
              r"reset_position_ids|reset_attention_mask|eod_mask_loss|num_dataset_builder_threads|"
              r"object_storage_cache_path|mid_level_dataset_surplus|dataloader_type|no_create_attention_mask_in_dataloader"),
@@ -172,11 +172,10 @@ def _config_fields() -> frozenset:
 def _feature_honoured() -> frozenset:
     """Dests the feature modules honour (:data:`megatron.ciera.feature_args.HONOURED_FLAGS`, the
     dataset-config flags :data:`megatron.ciera.data.DATASET_FLAGS`, and the tokenizer flags :func:`megatron.ciera.data.build_tokenizer` reads)."""
-    from .data import DATASET_FLAGS
+    from .data import DATASET_FLAGS, TOKENIZER_FLAGS
     from .feature_args import HONOURED_FLAGS
 
-    return frozenset(HONOURED_FLAGS) | set(DATASET_FLAGS) | {"tokenizer_type", "tokenizer_model", "vocab_file", "merge_file",
-                                        "logging_level"} | set(_CHECKPOINT_AS_UPSTREAM) | set(_CHECKPOINT_HONOURED)
+    return frozenset(HONOURED_FLAGS) | set(DATASET_FLAGS) | set(TOKENIZER_FLAGS) | {"logging_level"} | set(_CHECKPOINT_AS_UPSTREAM) | set(_CHECKPOINT_HONOURED)
 
 
 # Checkpoint flags that only pick how megatron-core's dist_checkpointing moves bytes (reviewed

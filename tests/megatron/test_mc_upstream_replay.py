@@ -30,7 +30,6 @@ FIXTURES = sorted((Path(__file__).parent / "upstream_commands").glob("*.txt"))
 # Commands whose rejection (on the fixtures' release) is the right answer, with what is named.
 EXPECTED_REJECTIONS = {
     "train_gpt3_175b_distributed": "--step-batch-size-schedule",
-    "train_mixtral_8x7b_distributed": "--tokenizer-type Llama2Tokenizer: this entry point builds",
 }
 # Run in the default suite (4 ranks each); every fixture runs under ``slow``.
 DEFAULT_RUNS = {"gpt3_mcore_te_tp2_pp1_multi_dist_optimizer_instances"}
