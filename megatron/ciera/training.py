@@ -92,7 +92,9 @@ def build_model_and_optimizer(args, vocab_size: int):
         chunk.broadcast_params()
 
     opt_config = model_lib.optimizer_config(args)
-    optimizer = get_megatron_optimizer(opt_config, model)
+    # --disable-gloo-process-groups: the optimizer then uses no gloo groups either (as upstream passes it)
+    gloo = getattr(args, "enable_gloo_process_groups", getattr(args, "use_gloo_process_groups", True))
+    optimizer = get_megatron_optimizer(opt_config, model, use_gloo_process_groups=gloo)
     scheduler = model_lib.scheduler(args, optimizer)
     config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
     if args.overlap_grad_reduce and args.align_grad_reduce:
