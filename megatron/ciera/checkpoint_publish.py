@@ -26,11 +26,12 @@ import torch.distributed as dist
 from megatron.ciera import torch_checkpoint
 
 __all__ = ["TRACKER", "CHECKSUMS", "INCOMPLETE", "print0", "iteration_dir", "latest_iteration", "complete_iterations",
-           "begin", "remove_interrupted", "write_checksums", "publish", "verify"]
+           "begin", "remove_interrupted", "write_checksums", "publish", "retire", "verify"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKSUMS = "checksums.sha256"
 INCOMPLETE = ".incomplete"
+RETIRED = ".retired"
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 
 
@@ -78,14 +79,40 @@ def begin(*, root: str, iteration: int) -> str:
 
 
 def remove_interrupted(root: str) -> None:
-    """Collective: the ``iter_N.incomplete`` folders interrupted saves left under ``root`` are
-    removed (by rank 0, each named)."""
+    """Collective: what interrupted saves and removals left under ``root`` (``iter_N.incomplete``
+    folders and their writers' marks, ``iter_N.retired`` folders) is removed (by rank 0, each named)."""
     if dist.get_rank() == 0:
         for name in sorted(os.listdir(root)):
-            if name.startswith("iter_") and name.endswith(INCOMPLETE):
-                print(f"removing {os.path.join(root, name)} (an interrupted save)", flush=True)
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            path = os.path.join(root, name)
+            if name.startswith("iter_") and (name.endswith(INCOMPLETE) or name.endswith(RETIRED)):
+                why = "an interrupted save" if name.endswith(INCOMPLETE) else "an interrupted removal"
+                print(f"removing {path} ({why})", flush=True)
+                shutil.rmtree(path, ignore_errors=True)
+            elif name.startswith("iter_") and INCOMPLETE + "." in name and os.path.isfile(path):
+                os.remove(path)  # a background writer's mark (megatron.ciera.checkpoint_async)
     dist.barrier()
+
+
+def retire(*, root: str, iteration: int, previous: int | None, retain_interval: int | None,
+           protect: str | None = None) -> None:
+    """``--save-retain-interval``, as Megatron-LM: once checkpoint ``iteration`` is the latest, the
+    one the tracker named before it (``previous``) is removed unless its iteration is a multiple
+    of ``retain_interval``, or it is a symbolic link, or it is ``protect`` (the checkpoint this run
+    loaded), or it is ``iteration`` itself. Rank 0 renames it to ``iter_N.retired`` first (an
+    interrupted removal never leaves a half folder that looks complete)."""
+    if (dist.get_rank() != 0 or retain_interval is None or not previous or previous == iteration
+            or previous % retain_interval == 0):
+        return
+    folder = iteration_dir(root, previous)
+    if os.path.islink(folder) or not os.path.isdir(folder):
+        return
+    if protect is not None and os.path.realpath(folder) == os.path.realpath(protect):
+        print(f"keeping {folder}: this run loaded it (--save-retain-interval {retain_interval})", flush=True)
+        return
+    retired = folder + RETIRED
+    os.replace(folder, retired)
+    shutil.rmtree(retired, ignore_errors=True)
+    print(f"removed {folder} (--save-retain-interval {retain_interval}: {previous} is not a multiple)", flush=True)
 
 
 def _files(folder: str) -> list[str]:
@@ -160,14 +187,16 @@ def verify(folder: str) -> list[str]:
     return sorted({p for ps in everyone for p in ps})
 
 
-def publish(*, root: str, iteration: int) -> None:
+def publish(*, root: str, iteration: int, retain_interval: int | None = None, protect: str | None = None) -> None:
     """Collective, once every rank's files of ``iter_N.incomplete`` are written: checksums, then
-    the rename to ``iter_N``, then the tracker (each step only after the one before is durable)."""
+    the rename to ``iter_N``, then the tracker (each step only after the one before is durable),
+    then, with ``retain_interval``, the removal of the previous latest (:func:`retire`)."""
     final = iteration_dir(root, iteration)
     partial = final + INCOMPLETE
     dist.barrier()
     write_checksums(partial)
     if dist.get_rank() == 0:
+        previous = latest_iteration(root)
         replaced = final + ".replaced"
         if os.path.exists(final):  # re-saving an iteration: the old folder goes only once the new one is whole
             os.replace(final, replaced)
@@ -179,4 +208,5 @@ def publish(*, root: str, iteration: int) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(root, TRACKER))
+        retire(root=root, iteration=iteration, previous=previous, retain_interval=retain_interval, protect=protect)
     dist.barrier()

@@ -125,6 +125,7 @@ def sharded_state_dict(model, optimizer, *, metadata: dict, with_optimizer: bool
 def saved_args(args, iteration: int) -> argparse.Namespace:
     """``args`` as a checkpoint of ``iteration`` stores them (Megatron-LM's consumed-samples fields)."""
     saved = copy.copy(args)
+    vars(saved).pop("ckpt_loaded_folder", None)  # this run's, not the checkpoint's
     saved.iteration = iteration
     saved.consumed_train_samples = iteration * args.global_batch_size
     saved.consumed_valid_samples = 0

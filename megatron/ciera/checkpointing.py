@@ -61,7 +61,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron.ciera import fsdp_dtensor_checkpoint, torch_checkpoint
+from megatron.ciera import checkpoint_async, fsdp_dtensor_checkpoint, torch_checkpoint
 from megatron.ciera.checkpoint_fixes import fit_optimizer_layout, torch_adam_step_fix
 from megatron.ciera.checkpoint_publish import (CHECKSUMS, TRACKER, begin, complete_iterations, iteration_dir,
                                                latest_iteration, print0, publish, remove_interrupted, verify)
@@ -136,91 +136,46 @@ def preflight(args: argparse.Namespace) -> None:
 # save
 
 def async_queue(args: argparse.Namespace):
-    """megatron-core's queue of asynchronous saves under ``--async-save`` (``None`` without it)."""
-    if not getattr(args, "async_save", False):
-        return None
-    import importlib.util
-
-    # megatron-core's forked writer calls psutil before anything it guards: without it the writer
-    # dies, and the save waits for it forever
-    if importlib.util.find_spec("psutil") is None:
-        raise SystemExit("--async-save needs psutil (megatron-core's background checkpoint writer uses it): "
-                         "pip install psutil, or save without --async-save")
-    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
-    return AsyncCallsQueue(persistent=False)
+    """The queue of asynchronous saves under ``--async-save`` (:func:`megatron.ciera.checkpoint_async.async_queue`;
+    ``None`` without it)."""
+    return checkpoint_async.async_queue(args)
 
 
 def finalize_async_saves(queue, *, blocking: bool) -> None:
     """Collective, every iteration under ``--async-save`` and ``blocking`` before the run ends:
     finish the saves whose background writes are done on every rank (each one's checksums,
-    rename and tracker run only then)."""
+    rename and tracker run only then); ``blocking`` also stops the writer."""
     if queue is not None:
-        queue.maybe_finalize_async_calls(blocking=blocking)
         if blocking:
             queue.close()
+        else:
+            queue.finalize(blocking=False)
 
 
-def write(state: dict, *, root: str, iteration: int, queue=None) -> None:
+def write(state: dict, *, root: str, iteration: int, queue=None, args: argparse.Namespace | None = None,
+          protect: str | None = None) -> None:
     """Collective: write the sharded ``state`` as checkpoint ``iteration`` under ``root``,
     atomically. With ``queue`` (:func:`async_queue`) the tensors are written in a background
     process and the checkpoint is published (checksums, rename, tracker) by
     :func:`finalize_async_saves` once every rank's write is done: until then the previous
-    checkpoint stays the latest, and a crash leaves only an ``.incomplete`` folder."""
+    checkpoint stays the latest, and a crash leaves only an ``.incomplete`` folder. ``args``:
+    ``--verify-integrity``, ``--async-strategy`` and ``--save-retain-interval`` (which never
+    removes ``protect``, the checkpoint this run loaded)."""
     from megatron.core import dist_checkpointing
 
     partial = begin(root=root, iteration=iteration)
+    kwargs = checkpoint_async.save_kwargs(args, asynchronous=queue is not None)
+
+    def publish_it():
+        publish(root=root, iteration=iteration, retain_interval=getattr(args, "save_retain_interval", None),
+                protect=protect)
+
     if queue is None:
-        dist_checkpointing.save(state, partial, content_metadata=dict(CONTENT_METADATA))
-        publish(root=root, iteration=iteration)
+        dist_checkpointing.save(state, partial, content_metadata=dict(CONTENT_METADATA), **kwargs)
+        publish_it()
         return
-    request = dist_checkpointing.save(state, partial, content_metadata=dict(CONTENT_METADATA),
-                                      async_sharded_save=True)
-    # megatron-core takes a writer process that is gone for a finished one, even one killed by a
-    # signal: each rank's writer leaves a mark when its write returned, and nothing is published
-    # unless every rank's mark is there.
-    done = os.path.join(partial, f"{WRITER_DONE}{dist.get_rank()}")
-    if request.async_fn is not None:
-        request = request._replace(async_fn=_marking(request.async_fn, done))
-    else:  # nothing of this rank's to write in the background
-        open(done, "w").close()
-    request.add_finalize_fn(lambda: _publish_written(root=root, iteration=iteration, done=done))  # after metadata.json
-    queue.schedule_async_request(request)
-
-
-WRITER_DONE = ".writer-done."
-"""Prefix of the mark a rank's background writer leaves in ``iter_N.incomplete`` when its write
-returned (removed before the checksums)."""
-
-
-class _marking:
-    """``fn`` then an empty file at ``path`` (picklable: megatron-core may send it to a worker)."""
-
-    def __init__(self, fn, path: str):
-        self.fn, self.path = fn, path
-
-    def __call__(self, *args, **kwargs):
-        out = self.fn(*args, **kwargs)
-        with open(self.path, "w"):
-            pass
-        return out
-
-
-def _publish_written(*, root: str, iteration: int, done: str) -> None:
-    """Collective: publish checkpoint ``iteration`` if every rank's background writer finished its
-    write; otherwise raise on every rank, naming the ranks (the previous checkpoint stays the latest;
-    the ``.incomplete`` folder is removed by the next run)."""
-    missing = torch.zeros(dist.get_world_size(), dtype=torch.int32,
-                          device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    missing[dist.get_rank()] = 0 if os.path.exists(done) else 1
-    dist.all_reduce(missing)
-    lost = [r for r, m in enumerate(missing.tolist()) if m]
-    if lost:
-        raise RuntimeError(f"checkpoint iteration {iteration}: the background writer of rank(s) {lost} ended "
-                           f"before finishing its write (killed?); it is not published, and the latest "
-                           f"checkpoint in {root} is still the previous one")
-    os.remove(done)
-    publish(root=root, iteration=iteration)
+    request = dist_checkpointing.save(state, partial, content_metadata=dict(CONTENT_METADATA), **kwargs)
+    queue.schedule(request, root=root, iteration=iteration, publish=publish_it)
 
 
 def save(args: argparse.Namespace, *, iteration: int, model, optimizer, scheduler, flops_so_far: float = 0.0,
@@ -243,7 +198,7 @@ def save(args: argparse.Namespace, *, iteration: int, model, optimizer, schedule
     state = sharded_state_dict(model, optimizer, metadata=CONTENT_METADATA, with_optimizer=not args.no_save_optim,
                                 with_rng=not args.no_save_rng, is_loading=False)
     state.update(common_entries(args, iteration=iteration, scheduler=scheduler, flops_so_far=flops_so_far))
-    write(state, root=args.save, iteration=iteration, queue=queue)
+    write(state, root=args.save, iteration=iteration, queue=queue, args=args, protect=loaded_folder(args))
 
 
 def _save_torch(args, *, iteration: int, model, optimizer, scheduler, flops_so_far: float) -> None:
@@ -255,7 +210,8 @@ def _save_torch(args, *, iteration: int, model, optimizer, scheduler, flops_so_f
         state["rng_state"] = [rng_state()]  # DP rank 0's, as Megatron-LM without --data-parallel-random-init
     torch_checkpoint.save(partial, state=state, model_chunks=[(k, unwrap(c)) for k, c in model_keys(model)],
                           optimizer=optimizer, with_optimizer=not args.no_save_optim)
-    publish(root=args.save, iteration=iteration)
+    publish(root=args.save, iteration=iteration, retain_interval=getattr(args, "save_retain_interval", None),
+            protect=loaded_folder(args))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,8 +273,11 @@ def load(args: argparse.Namespace, *, model, optimizer, scheduler) -> int:
     fmt = ("torch" if torch_checkpoint.is_torch_checkpoint(plan.folder) else
            "fsdp_dtensor" if fsdp_dtensor_checkpoint.is_fsdp_dtensor_checkpoint(plan.folder) else "torch_dist")
     if fmt != getattr(args, "ckpt_format", "torch_dist"):
-        raise SystemExit(f"{plan.folder} is a --ckpt-format {fmt} checkpoint but this run has --ckpt-format "
-                         f"{args.ckpt_format}: pass --ckpt-format {fmt} to load it")
+        if not getattr(args, "auto_detect_ckpt_format", False):
+            raise SystemExit(f"{plan.folder} is a --ckpt-format {fmt} checkpoint but this run has --ckpt-format "
+                             f"{args.ckpt_format}: pass --ckpt-format {fmt} (or --auto-detect-ckpt-format) to load it")
+        print0(f"note: {plan.folder} is a --ckpt-format {fmt} checkpoint (--auto-detect-ckpt-format); this run "
+               f"saves --ckpt-format {args.ckpt_format}")
     if getattr(args, "use_megatron_fsdp", False) != (fmt == "fsdp_dtensor"):
         raise SystemExit(f"{plan.folder} is a --ckpt-format {fmt} checkpoint: Megatron-FSDP (--use-megatron-fsdp) "
                          "reads and writes fsdp_dtensor checkpoints, and only it does")
@@ -339,7 +298,8 @@ def load(args: argparse.Namespace, *, model, optimizer, scheduler) -> int:
         with_rng = False
     request = sharded_state_dict(model, optimizer, metadata=metadata, with_optimizer=with_optimizer,
                                   with_rng=with_rng, is_loading=True)
-    state = dist_checkpointing.load(request, plan.folder, strict=args.dist_ckpt_strictness)
+    integrity = {"verify_integrity": True} if getattr(args, "verify_integrity", False) else {}
+    state = dist_checkpointing.load(request, plan.folder, strict=args.dist_ckpt_strictness, **integrity)
     if isinstance(state, tuple):  # the 'return_*' strictness modes also return the mismatching keys
         state, missing, unexpected = state
         print0(f"checkpoint key mismatch: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
@@ -366,9 +326,16 @@ def _restore(args, plan: _LoadPlan, state: dict, *, model, optimizer, scheduler,
     if with_rng:
         set_rng_state(state["rng_state"][0])
     iteration = 0 if args.finetune else int(state.get("iteration", plan.iteration))
+    args.ckpt_loaded_folder = plan.folder  # kept by --save-retain-interval (loaded_folder)
     print0(f"loaded checkpoint {plan.folder} (iteration {plan.iteration}{note})"
             + ("; --finetune: starting at iteration 0" if args.finetune else ""))
     return iteration
+
+
+def loaded_folder(args: argparse.Namespace) -> str | None:
+    """The checkpoint folder :func:`load` restored in this run (``None``: none), which
+    ``--save-retain-interval`` never removes."""
+    return getattr(args, "ckpt_loaded_folder", None)
 
 
 def _load_torch(args, plan: _LoadPlan, *, model, optimizer, scheduler) -> int:

@@ -18,7 +18,8 @@ import functools
 from typing import Callable
 
 __all__ = ["add_checkpoint_eval_data_logging_args", "validate_checkpoint_eval_data_logging_args",
-           "HONOURED_FLAGS", "feature_dests"]
+           "HONOURED_FLAGS", "TABLE_CHECKPOINT_FLAGS",
+           "feature_dests"]
 
 STRICTNESS = ["assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
               "return_unexpected", "return_all", "ignore_all"]
@@ -36,14 +37,17 @@ def add_checkpoint_eval_data_logging_args(parser: argparse.ArgumentParser) -> ar
                    help="do not load the optimizer and LR scheduler state")
     g.add_argument("--no-load-rng", action="store_true", default=None, help="do not load the RNG state")
     g.add_argument("--finetune", action="store_true",
-                   help="load the model only; start at iteration 0 with a fresh optimizer and RNG")
+                   help="load the model only; start at iteration 0 with a fresh optimizer and RNG "
+                        "(without --load: from scratch, as upstream)")
     g.add_argument("--ckpt-step", type=int, default=None, help="with --load: this iteration instead of the latest")
     g.add_argument("--ckpt-format", default="torch_dist",
                    choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"],
                    help="checkpoint format: torch_dist (default) or torch (legacy per-rank files)")
     g.add_argument("--async-save", action="store_true",
-                   help="write checkpoints in a background process (megatron-core's async dist-ckpt); each "
-                        "becomes the latest only once every rank's write is done")
+                   help="write checkpoints in a background process (megatron-core's async dist-ckpt) while "
+                        "training goes on; each becomes the latest only once every rank's write is done. With "
+                        "--use-persistent-ckpt-worker the writer is one long-lived process per rank (megatron-core "
+                        "0.19 needs it, as Megatron-LM 0.19: without it the save is synchronous)")
     g.add_argument("--dist-ckpt-strictness", default="assume_ok_unexpected", choices=STRICTNESS,
                    help="what a key mismatch between checkpoint and model does on load")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
@@ -113,6 +117,14 @@ HONOURED_FLAGS = (
 )
 """Destinations of the flags above that the feature modules honour (every one of them)."""
 
+TABLE_CHECKPOINT_FLAGS = (
+    "use_persistent_ckpt_worker", "async_strategy", "async_ckpt_use_cpu_shm", "async_ckpt_cpu_priority",
+    "async_ckpt_io_priority", "save_retain_interval", "auto_detect_ckpt_format", "verify_integrity",
+)
+"""Checkpoint flags that come from upstream's flag table (those of them the installed release has:
+``--async-strategy``, ``--async-ckpt-*`` and ``--verify-integrity`` are 0.19's), honoured by
+:mod:`megatron.ciera.checkpointing` and :mod:`megatron.ciera.checkpoint_async`, checked below."""
+
 
 @functools.lru_cache(maxsize=None)
 def feature_dests() -> frozenset:
@@ -141,8 +153,7 @@ def validate_checkpoint_eval_data_logging_args(args: argparse.Namespace, err: Ca
         err(f"--eval-iters {args.eval_iters} must be >= 0")
     if args.num_workers < 0:
         err(f"--num-workers {args.num_workers} must be >= 0")
-    if args.finetune and not args.load:
-        err("--finetune needs --load (the model to start from)")
+    _validate_table_checkpoint_args(args, err)
     if args.ckpt_step is not None and not args.load:
         err("--ckpt-step needs --load")
     if args.ckpt_step is not None and args.ckpt_step < 0:
@@ -161,3 +172,22 @@ def validate_checkpoint_eval_data_logging_args(args: argparse.Namespace, err: Ca
         err("--wandb-exp-name needs --wandb-project")
     if args.wandb_project and not (args.wandb_save_dir or args.save):
         err("--wandb-project needs --wandb-save-dir (or --save, whose wandb/ folder is the default)")
+
+
+def _validate_table_checkpoint_args(args: argparse.Namespace, err: Callable[[str], None]) -> None:
+    """The checks of :data:`TABLE_CHECKPOINT_FLAGS` (upstream's rules; each reads the flag only
+    where the installed release's table has it)."""
+    from megatron.ciera.checkpoint_async import check_args
+
+    check_args(args, err)
+    retain = getattr(args, "save_retain_interval", None)
+    if retain is not None and args.save is not None:  # (inert without --save, as upstream)
+        if retain < 1:
+            err(f"--save-retain-interval {retain} must be >= 1")
+        elif args.save_interval and retain % args.save_interval:
+            err(f"--save-retain-interval {retain} must be a multiple of --save-interval {args.save_interval} "
+                "(as upstream)")
+    if getattr(args, "verify_integrity", False) and (args.save or args.load) and args.ckpt_format != "torch_dist":
+        err(f"--verify-integrity is megatron-core's integrity manifest of --ckpt-format torch_dist checkpoints; "
+            f"--ckpt-format {args.ckpt_format} has no such manifest (every checkpoint here carries checksums.sha256, "
+            "verified at every load)")

@@ -141,7 +141,8 @@ _REJECTED = {
 _FEATURE_PATTERNS = [
     ("checkpoint", r"save|load|save_interval|no_load_optim|no_load_rng|load_optim|load_rng|finetune|async_save|"
                    r"dist_ckpt_.*|ckpt_.*|auto_detect_ckpt_format|non_persistent_.*|pretrained_checkpoint|"
-                   r"use_dist_ckpt|use_checkpoint_opt_param_scheduler|use_checkpoint_args|exit_on_missing_checkpoint|save_retain_interval|no_save_optim|no_save_rng|save_optim|save_rng"),
+                   r"use_dist_ckpt|use_checkpoint_opt_param_scheduler|use_checkpoint_args|exit_on_missing_checkpoint|save_retain_interval|no_save_optim|no_save_rng|save_optim|save_rng|"
+                   r"use_persistent_ckpt_worker|async_strategy|async_ckpt_.*|verify_integrity"),
     ("eval", r"eval_interval|eval_iters|skip_train|full_validation|multiple_validation_sets|test_mode"),
     ("data", r"split|data_path|tokenizer_.*|tiktoken_.*|vocab_file|merge_file|vocab_extra_ids|train_data_path|valid_data_path|test_data_path|data_cache_path|num_workers|"
              r"per_split_data_args_path|data_args_path|mmap_bin_files|no_mmap_bin_files|create_attention_mask_in_dataloader|"
@@ -173,9 +174,9 @@ def _feature_honoured() -> frozenset:
     """Dests the feature modules honour (:data:`megatron.ciera.feature_args.HONOURED_FLAGS`, the
     dataset-config flags :data:`megatron.ciera.data.DATASET_FLAGS`, and the tokenizer flags :func:`megatron.ciera.data.build_tokenizer` reads)."""
     from .data import DATASET_FLAGS, TOKENIZER_FLAGS
-    from .feature_args import HONOURED_FLAGS
+    from .feature_args import HONOURED_FLAGS, TABLE_CHECKPOINT_FLAGS
 
-    return frozenset(HONOURED_FLAGS) | set(DATASET_FLAGS) | set(TOKENIZER_FLAGS) | {"logging_level"} | set(_CHECKPOINT_AS_UPSTREAM) | set(_CHECKPOINT_HONOURED)
+    return frozenset(HONOURED_FLAGS) | set(TABLE_CHECKPOINT_FLAGS) | set(DATASET_FLAGS) | set(TOKENIZER_FLAGS) | {"logging_level"} | set(_CHECKPOINT_AS_UPSTREAM) | set(_CHECKPOINT_HONOURED)
 
 
 # Checkpoint flags that only pick how megatron-core's dist_checkpointing moves bytes (reviewed
@@ -192,10 +193,21 @@ _CHECKPOINT_AS_UPSTREAM = {
     "ckpt_assume_constant_structure": "a save-plan cache: the saved values do not depend on it",
 }
 
-# Checkpoint-family flags passed to megatron-core itself.
+# Checkpoint-family flags honoured through megatron-core (megatron.ciera.checkpointing and, for the
+# --async-* ones, megatron.ciera.checkpoint_async; checked in megatron.ciera.feature_args).
 _CHECKPOINT_HONOURED = {
     "use_checkpoint_opt_param_scheduler": "passed to megatron-core's OptimizerParamScheduler: the checkpoint's "
                                           "schedule wins (default: the command line's must match it)",
+    "use_persistent_ckpt_worker": "megatron-core's persistent checkpoint worker (AsyncCallsQueue(persistent=True)); "
+                                  "megatron-core 0.19, as Megatron-LM 0.19, saves synchronously without it",
+    "async_strategy": "mcore: megatron-core's writer; nvrx (nvidia-resiliency-ext's) refused by name",
+    "async_ckpt_use_cpu_shm": "a mode of nvrx's writer only: refused by name under --async-save",
+    "async_ckpt_cpu_priority": "the persistent worker's nice value (megatron-core's warm-up)",
+    "async_ckpt_io_priority": "the persistent worker's I/O class (megatron-core's warm-up)",
+    "save_retain_interval": "after each save the previous latest checkpoint is removed unless its iteration is a "
+                            "multiple (as upstream); never the latest nor the one this run loaded",
+    "auto_detect_ckpt_format": "the format of the checkpoint to load is read from it; saves keep --ckpt-format",
+    "verify_integrity": "megatron-core's integrity manifest: written at save, checked at load (torch_dist)",
 }
 
 

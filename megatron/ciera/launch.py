@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -61,6 +63,71 @@ def torchrun_env(*, threads_per_rank: int = 1, **extra: str) -> dict:
                 PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep), **extra)
 
 
+class LaunchTimeout(AssertionError):
+    """A launch that did not end in time; the message names what was awaited, the last output
+    and where every process of the launch waited."""
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def _where(pid: int) -> str:
+    """One process's command and Python stacks (py-spy, when installed), or its kernel wait."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace")[:160]
+        with open(f"/proc/{pid}/wchan") as f:
+            wchan = f.read()
+    except OSError:
+        return f"pid {pid}: gone"
+    text = f"pid {pid} ({wchan}): {cmd}"
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+    if spy:
+        try:
+            dump = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30).stdout
+            text += "\n" + "\n".join(f"    {line}" for line in dump.splitlines()[2:42])
+        except (subprocess.TimeoutExpired, OSError):
+            pass
+    return text
+
+
+def _run_or_explain(cmd: list[str], *, env: dict, timeout: float, what: str) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd)`` with output captured, in a session of its own; past ``timeout`` every
+    process of the session is killed and :class:`LaunchTimeout` names ``what`` was awaited, the
+    last output and where each process waited (nothing of it outlives the call)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stacks = "\n".join(_where(pid) for pid in [proc.pid, *_descendants(proc.pid)])
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        stdout, stderr = proc.communicate()
+        tail = "\n".join((stdout + stderr).splitlines()[-30:])
+        raise LaunchTimeout(f"{what} did not end within {timeout:.0f} s (waited for the launcher to exit). "
+                            f"Its last output:\n{tail}\nWhere each process waited:\n{stacks}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 def run_pretrain(flags: list[str], nproc: int = 2, timeout: float = 300, threads_per_rank: int = 1,
                  workdir: str | None = None, loss_log: str | None = None) -> RunResult:
     """Launch ``pretrain_gpt.py flags`` with torchrun on ``nproc`` local ranks and wait.
@@ -69,7 +136,7 @@ def run_pretrain(flags: list[str], nproc: int = 2, timeout: float = 300, threads
         loss_log = loss_log or os.path.join(tmp, "losses.txt")
         cmd = torchrun_command(ROOT / "pretrain_gpt.py", [*flags, "--ciera-loss-log", loss_log], nproc=nproc)
         env = torchrun_env(threads_per_rank=threads_per_rank)
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = _run_or_explain(cmd, env=env, timeout=timeout, what=f"pretrain_gpt.py on {nproc} rank(s)")
         losses = {}
         if os.path.exists(loss_log):
             for line in open(loss_log):

@@ -24,6 +24,7 @@ import hashlib
 import logging
 import math
 import os
+import signal
 import sys
 import time
 import warnings
@@ -396,6 +397,9 @@ def _save(run: _Run) -> None:
         checkpointing.save(run.args, iteration=run.iteration, model=run.model, optimizer=run.optimizer,
                            scheduler=run.scheduler, flops_so_far=run.iteration * run.flops_per_iteration,
                            queue=run.async_saves)
+        worker = run.async_saves.worker() if doomed and run.async_saves is not None else None
+        if worker is not None:  # the persistent worker is spawned (no fork hook): the fault kills it here
+            os.kill(worker.pid, signal.SIGKILL)
     _print0(f"{'started saving' if run.async_saves else 'saved'} checkpoint {run.args.save} at iteration {run.iteration}")
 
 

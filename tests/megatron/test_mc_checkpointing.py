@@ -8,6 +8,7 @@ checkpoint failing on every rank, NaN stopping the run.
 """
 
 import argparse
+import inspect
 import math
 import os
 import shutil
@@ -23,6 +24,7 @@ from megatron.ciera import checkpoint_fixes, checkpoint_publish, checkpoint_stat
 from megatron.ciera.launch import run_pretrain
 
 sys.path.insert(0, os.path.dirname(__file__))
+from flag_args import async_save_flags, parse_and_validate  # noqa: E402
 from test_mc_training import CIERA, OVERLAP, TINY, run  # noqa: E402  (shared, cached runs)
 
 
@@ -119,21 +121,22 @@ def test_ckpt_step_and_checkpoints_without_checksums(one_rank_group, tmp_path, c
         checkpointing._choose(_args(load=str(tmp_path), ckpt_step=30))
 
 
-def test_async_save_is_published_only_once_written(one_rank_group, tmp_path):
-    """--async-save: while the background write runs (or if the job dies then) checkpoint 4 stays
-    the latest and the new one is only an ``.incomplete`` folder, which the next start removes;
-    finalising publishes it whole (checksums, rename, tracker)."""
+@pytest.mark.parametrize("persistent", [False, True], ids=["forked-writer", "persistent-worker"])
+def test_async_save_is_published_only_once_written(one_rank_group, tmp_path, persistent):
+    """--async-save (a writer forked per save, or --use-persistent-ckpt-worker): while the
+    background write runs checkpoint 4 stays the latest and the new one is only an
+    ``.incomplete`` folder; finalising publishes it whole (checksums, rename, tracker). A writer
+    killed mid-save publishes nothing: the error names the rank, checkpoint 5 stays the latest and
+    loads, and the next start removes the leftovers."""
     import contextlib
 
     import torch
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     from megatron.ciera import cpu_compat
 
     # megatron-core's async caller synchronises "the GPU": the CPU shims, as in pretrain_gpt.py
     with contextlib.nullcontext() if torch.cuda.is_available() else cpu_compat.enabled():
-        _async_save_scenario(tmp_path, torch, dist_checkpointing, ShardedTensor)
+        _async_save_scenario(tmp_path, persistent=persistent)
 
 
 def test_async_save_without_psutil_is_refused_at_start_up(monkeypatch):
@@ -147,28 +150,153 @@ def test_async_save_without_psutil_is_refused_at_start_up(monkeypatch):
         checkpointing.async_queue(argparse.Namespace(async_save=True))
 
 
-def _async_save_scenario(tmp_path, torch, dist_checkpointing, ShardedTensor):
+def _async_args(persistent: bool, **kw) -> argparse.Namespace:
+    """The --async-save flags of this megatron-core's table (0.19's has --async-strategy)."""
+    from megatron.ciera.arguments import upstream_flags
+
+    base = dict(async_save=True, use_persistent_ckpt_worker=persistent, **kw)
+    if any(flag["dest"] == "async_strategy" for flag in upstream_flags()):
+        base.setdefault("async_strategy", "mcore")
+    return argparse.Namespace(**base)
+
+
+def _async_save_scenario(tmp_path, *, persistent: bool):
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
     def state(value):
         return {"w": ShardedTensor.from_rank_offsets("w", torch.full((64,), value)), "iteration": 0}
 
     root = str(tmp_path)
+    args = _async_args(persistent)
     checkpointing.write(state(4.0), root=root, iteration=4)
-    queue = checkpointing.async_queue(argparse.Namespace(async_save=True))
-    checkpointing.write(state(5.0), root=root, iteration=5, queue=queue)
-    assert checkpointing.latest_iteration(root) == 4 and checkpointing.complete_iterations(root) == [4]
-    assert os.path.isdir(checkpointing.iteration_dir(root, 5) + ".incomplete")
-    checkpointing.finalize_async_saves(queue, blocking=True)
-    assert checkpointing.latest_iteration(root) == 5 and checkpointing.complete_iterations(root) == [4, 5]
-    assert checkpointing.verify(checkpointing.iteration_dir(root, 5)) == []
-    assert torch.equal(dist_checkpointing.load_plain_tensors(checkpointing.iteration_dir(root, 5))["w"],
-                       torch.full((64,), 5.0))
-    # a job killed mid-write: the next start drops the half-written folder, 5 stays the latest
-    checkpointing.write(state(6.0), root=root, iteration=6, queue=checkpointing.async_queue(
-        argparse.Namespace(async_save=True)))
-    checkpointing.preflight(_args(save=root, load=root))
+    queue = checkpointing.async_queue(args)
+    if hasattr(args, "async_strategy") and not persistent:  # Megatron-LM 0.19: no async save without the worker
+        assert queue is None and not args.async_save
+        return
+    try:
+        checkpointing.write(state(5.0), root=root, iteration=5, queue=queue, args=args)
+        assert checkpointing.latest_iteration(root) == 4 and checkpointing.complete_iterations(root) == [4]
+        assert os.path.isdir(checkpointing.iteration_dir(root, 5) + ".incomplete")
+        queue.finalize(blocking=True)
+        assert checkpointing.latest_iteration(root) == 5 and checkpointing.complete_iterations(root) == [4, 5]
+        assert checkpointing.verify(checkpointing.iteration_dir(root, 5)) == []
+        assert torch.equal(dist_checkpointing.load_plain_tensors(checkpointing.iteration_dir(root, 5))["w"],
+                           torch.full((64,), 5.0))
+        # the writer killed mid-save: nothing published, the rank named, 5 stays the latest
+        checkpointing.write(state(6.0), root=root, iteration=6, queue=queue, args=args)
+        writer = queue.worker() if persistent else queue.queue.async_calls[0].async_caller.process
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.join(timeout=60)
+        assert writer.exitcode == -signal.SIGKILL, "the writer did not die"
+        with pytest.raises(RuntimeError, match=r"rank\(s\) \[0\]"):
+            queue.finalize(blocking=True)
+    finally:
+        queue.queue.close(abort=True)  # nothing left running, whatever happened above
+    checkpointing.preflight(_args(save=root, load=root))  # the next start
     assert checkpointing.complete_iterations(root) == [4, 5] and checkpointing.latest_iteration(root) == 5
-    assert not os.path.exists(checkpointing.iteration_dir(root, 6) + ".incomplete")
+    assert sorted(os.listdir(root)) == ["iter_0000004", "iter_0000005", checkpointing.TRACKER]
+    assert checkpointing.verify(checkpointing.iteration_dir(root, 5)) == []
     assert checkpointing.async_queue(argparse.Namespace(async_save=False)) is None
+
+
+def _published(root, iteration, *, retain=None, protect=None):
+    """A fake checkpoint ``iteration`` written and published as a save does."""
+    partial = checkpoint_publish.begin(root=str(root), iteration=iteration)
+    with open(os.path.join(partial, "metadata.json"), "w") as f:
+        f.write(str(iteration))
+    checkpoint_publish.publish(root=str(root), iteration=iteration, retain_interval=retain, protect=protect)
+
+
+def test_save_retain_interval_removes_the_previous_latest_unless_kept(one_rank_group, tmp_path):
+    """As Megatron-LM: each save removes the checkpoint the tracker named before it unless its
+    iteration is a multiple of --save-retain-interval; never the new latest, never the checkpoint
+    this run loaded, never a symbolic link; without the flag nothing is removed."""
+    for it in (2, 4, 6, 8):
+        _published(tmp_path, it, retain=4)
+    assert checkpointing.complete_iterations(str(tmp_path)) == [4, 8] and checkpointing.latest_iteration(str(tmp_path)) == 8
+    _published(tmp_path, 10, retain=4, protect=checkpointing.iteration_dir(str(tmp_path), 10))  # the latest
+    _published(tmp_path, 10, retain=4)  # re-saving the latest iteration keeps it
+    loaded = checkpointing.iteration_dir(str(tmp_path), 10)
+    _published(tmp_path, 12, retain=4, protect=loaded)  # 10 was loaded by this run: kept
+    os.symlink(checkpointing.iteration_dir(str(tmp_path), 4), checkpointing.iteration_dir(str(tmp_path), 14))
+    (tmp_path / checkpointing.TRACKER).write_text("14")
+    _published(tmp_path, 16, retain=4)  # 14 is a link: kept
+    _published(tmp_path, 18, retain=None)  # without the flag: 16 stays
+    assert checkpointing.complete_iterations(str(tmp_path)) == [4, 8, 10, 12, 14, 16, 18]
+    _published(tmp_path, 22, retain=4)  # 18 removed
+    assert checkpointing.complete_iterations(str(tmp_path)) == [4, 8, 10, 12, 14, 16, 22]
+    assert checkpointing.verify(checkpointing.iteration_dir(str(tmp_path), 22)) == []
+    # an interrupted removal leaves iter_N.retired, removed (never loaded) at the next start
+    (tmp_path / "iter_0000020.retired").mkdir()
+    checkpointing.preflight(_args(save=str(tmp_path), load=str(tmp_path)))
+    assert not (tmp_path / "iter_0000020.retired").exists()
+
+
+def test_checkpoint_flags_as_upstream():
+    """--finetune without --load starts from scratch (as upstream); --save-retain-interval must be
+    a positive multiple of --save-interval (with --save; inert without it); the async flags are
+    inert without --async-save and, with it, nvrx and its CPU-shm mode are refused by name."""
+    from megatron.ciera.arguments import upstream_flags
+
+    tiny = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+            "--lr", "1e-4", "--micro-batch-size", "2", "--train-iters", "5", "--mock-data",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "255", "--use-distributed-optimizer"]
+    args = parse_and_validate([*tiny, "--finetune"], world=1)
+    assert args.finetune and args.load is None
+    assert checkpointing.load(args, model=None, optimizer=None, scheduler=None) == 0
+    parse_and_validate([*tiny, "--save-retain-interval", "3"], world=1)  # inert without --save
+    parse_and_validate([*tiny, "--save", "x", "--save-interval", "2", "--save-retain-interval", "4"], world=1)
+    with pytest.raises(ValueError, match=r"--save-retain-interval 3 must be a multiple of --save-interval 2"):
+        parse_and_validate([*tiny, "--save", "x", "--save-interval", "2", "--save-retain-interval", "3"], world=1)
+    with pytest.raises(ValueError, match=r"--save-retain-interval 0 must be >= 1"):
+        parse_and_validate([*tiny, "--save", "x", "--save-retain-interval", "0"], world=1)
+    parse_and_validate([*tiny, "--use-persistent-ckpt-worker"], world=1)  # inert without --async-save
+    if not any(flag["dest"] == "async_strategy" for flag in upstream_flags()):
+        return  # megatron-core 0.16's table: no --async-strategy, --async-ckpt-use-cpu-shm, --verify-integrity
+    parse_and_validate([*tiny, "--async-strategy", "nvrx", "--async-ckpt-use-cpu-shm"], world=1)  # inert
+    with pytest.raises(ValueError, match=r"--async-strategy nvrx .*pass --async-strategy mcore"):
+        parse_and_validate([*tiny, "--async-save", "--use-persistent-ckpt-worker"], world=1)  # upstream's default
+    with pytest.raises(ValueError, match=r"--async-ckpt-use-cpu-shm is a mode of nvidia-resiliency-ext"):
+        parse_and_validate([*tiny, *async_save_flags(), "--async-ckpt-use-cpu-shm"], world=1)
+    with pytest.raises(ValueError, match=r"--verify-integrity .*--ckpt-format torch has no such manifest"):
+        parse_and_validate([*tiny, "--save", "x", "--ckpt-format", "torch", "--verify-integrity"], world=1)
+
+
+def test_verify_integrity_is_megatron_cores_manifest(one_rank_group, tmp_path):
+    """--verify-integrity (megatron-core 0.19): the save writes megatron-core's integrity manifest
+    (inside the published, checksummed folder), the load checks it and names a damaged file."""
+    import contextlib
+
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from megatron.ciera import cpu_compat
+
+    if "verify_integrity" not in inspect.signature(dist_checkpointing.save).parameters:
+        pytest.skip("megatron-core 0.16 has no integrity manifest (--verify-integrity is 0.19's)")
+
+    def state():
+        return {"w": ShardedTensor.from_rank_offsets("w", torch.arange(64.0))}
+
+    with contextlib.nullcontext() if torch.cuda.is_available() else cpu_compat.enabled():
+        _integrity_scenario(tmp_path, state, torch, dist_checkpointing)
+
+
+def _integrity_scenario(tmp_path, state, torch, dist_checkpointing):
+    args = argparse.Namespace(verify_integrity=True)
+    checkpointing.write(state(), root=str(tmp_path), iteration=3, args=args)
+    folder = checkpointing.iteration_dir(str(tmp_path), 3)
+    assert "integrity.json" in _checksummed(folder) and checkpointing.verify(folder) == []
+    assert torch.equal(dist_checkpointing.load(state(), folder, verify_integrity=True)["w"], torch.arange(64.0))
+    victim = sorted(n for n in os.listdir(folder) if n.endswith(".distcp"))[0]
+    with open(os.path.join(folder, victim), "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        f.write(b"\x00" if f.read(1) != b"\x00" else b"\x01")
+    with pytest.raises(Exception, match=victim):
+        dist_checkpointing.load(state(), folder, verify_integrity=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,14 +435,14 @@ def test_resume_after_a_crash_matches_the_uninterrupted_run(whole, tmp_path):
     assert loss[6] == pytest.approx((result.losses[5] + result.losses[6]) / 2, rel=1e-6)
 
 
-def _stop_and_resume(tmp_path, *flags, at=3, iters=ITERS, save_flags=()):
+def _stop_and_resume(tmp_path, *flags, at=3, iters=ITERS, save_flags=(), resume_flags=()):
     """Train to ``at`` saving a checkpoint there (``--exit-interval``; ``save_flags`` only in this
-    first run), then resume to ``iters``."""
+    first run), then resume to ``iters`` (with ``resume_flags``)."""
     ckpt = str(tmp_path / "ckpt")
     first = run_pretrain(_flags(*flags, *save_flags, "--save", ckpt, "--save-interval", str(at),
                                 "--exit-interval", str(at), iters=iters), nproc=2, timeout=300)
     assert first.returncode == 0, first.output[-4000:]
-    resumed = run_pretrain(_flags(*flags, "--load", ckpt, iters=iters), nproc=2, timeout=300)
+    resumed = run_pretrain(_flags(*flags, *resume_flags, "--load", ckpt, iters=iters), nproc=2, timeout=300)
     assert resumed.returncode == 0, resumed.output[-4000:]
     return first, resumed
 
@@ -326,10 +454,10 @@ def test_resume_under_overlapped_gathers_is_bit_exact(one_rank_group, tmp_path, 
     place (megatron-core <= 0.19 misplaced every bucket after the first), so the resume continues
     the uninterrupted run bit for bit: every iteration's loss and the params sha256. The CIERA
     variant (default run) writes that checkpoint with --async-save, which the run finalises
-    before --exit-interval ends it."""
+    before --exit-interval ends it, on the persistent worker process (--use-persistent-ckpt-worker)."""
     flags = (*OVERLAP, *CIERA) if ciera else OVERLAP
     whole = run(*flags)  # shared with test_mc_training
-    first, resumed = _stop_and_resume(tmp_path, *flags, save_flags=["--async-save"] if ciera else [])
+    first, resumed = _stop_and_resume(tmp_path, *flags, save_flags=async_save_flags() if ciera else [])
     if ciera:
         assert "started saving checkpoint" in first.output
         assert checkpointing.verify(checkpointing.iteration_dir(str(tmp_path / "ckpt"), 3)) == []
@@ -340,11 +468,13 @@ def test_resume_under_overlapped_gathers_is_bit_exact(one_rank_group, tmp_path, 
 def test_legacy_torch_format_resumes_bit_exact(tmp_path):
     """--ckpt-format torch: Megatron-LM's per-rank files (mp_rank_00/model_optim_rng.pt and the
     distributed optimizer's distrib_optim.pt), published atomically with checksums like torch_dist;
-    the resume continues the uninterrupted run bit for bit (with CIERA)."""
+    the resume, which reads the format from the checkpoint (--auto-detect-ckpt-format, its own
+    --ckpt-format left at torch_dist), continues the uninterrupted run bit for bit (with CIERA)."""
     from megatron.ciera import torch_checkpoint
 
     whole = run(*CIERA)  # shared with test_mc_training
-    first, resumed = _stop_and_resume(tmp_path, "--ckpt-format", "torch", *CIERA)
+    first, resumed = _stop_and_resume(tmp_path, *CIERA, save_flags=["--ckpt-format", "torch"],
+                                      resume_flags=["--auto-detect-ckpt-format"])
     folder = checkpointing.iteration_dir(str(tmp_path / "ckpt"), 3)
     assert sorted(os.listdir(folder)) == [checkpointing.CHECKSUMS, "mp_rank_00"]
     assert sorted(os.listdir(os.path.join(folder, "mp_rank_00"))) == [torch_checkpoint.OPTIM_FILE,

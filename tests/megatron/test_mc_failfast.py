@@ -19,6 +19,9 @@ import pytest
 
 from megatron.ciera.launch import torchrun_command, torchrun_env
 
+sys.path.insert(0, os.path.dirname(__file__))
+from flag_args import async_save_flags  # noqa: E402
+
 pytestmark = pytest.mark.distributed
 
 HERE = Path(__file__).resolve().parent
@@ -28,6 +31,9 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2"
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", "--micro-batch-size", "1", "--device", "cpu",
         "--log-interval", "1", "--distributed-timeout-minutes", "1", "--train-iters", "100000"]
 FAST_S = 15  # an ended job: from the fault to the launcher's exit
+SAVE_MODES = {"sync": [], "async": async_save_flags(persistent=False), "async-persistent": async_save_flags()}
+"""--async-save with a writer forked per save (megatron-core 0.19 saves synchronously then, as
+Megatron-LM 0.19) or with the persistent worker process."""
 
 
 class Job:
@@ -106,6 +112,15 @@ def forked_writer(pid: int) -> bool:
         return False
 
 
+def spawned(pid: int) -> bool:
+    """A process a rank started by fork + exec (multiprocessing spawn: the persistent checkpoint
+    worker, megatron-core's results Manager)."""
+    try:
+        return "multiprocessing.spawn" in open(f"/proc/{pid}/cmdline").read()
+    except OSError:
+        return False
+
+
 def alive(pid: int) -> bool:
     """Running (a zombie waiting for a reaper counts as dead)."""
     try:
@@ -148,13 +163,13 @@ def test_killed_dataloader_worker_ends_the_job_fast():
 # --async-save: megatron-core's TemporalAsyncCaller takes a writer killed by a signal for a finished
 # one; checkpointing publishes a save only when every rank's writer left its mark (WRITER_DONE), so
 # the job ends on the missing mark if the watchdog has not named the dead child first.
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", list(SAVE_MODES))
 def test_killed_checkpoint_writer_ends_the_job_fast(tmp_path, mode):
     """Every process rank 0 forks for the save of iteration 4 dies at once (rank 0 writes the
-    replicated tensors: it always has a writer); the save of iteration 2 stays the latest."""
+    replicated tensors: it always has a writer), or its persistent worker is killed as it takes
+    that save; the save of iteration 2 stays the latest."""
     save = tmp_path / "ckpt"
-    job = Job([*TINY, "--save", str(save), "--save-interval", "2", *(["--async-save"] if mode == "async" else [])],
-              fault="kill-writer:0:4")
+    job = Job([*TINY, "--save", str(save), "--save-interval", "2", *SAVE_MODES[mode]], fault="kill-writer:0:4")
     started = job.wait_for(" iteration        4/")
     assert job.end() - started < FAST_S
     out = job.output
@@ -171,16 +186,16 @@ def test_killed_checkpoint_writer_ends_the_job_fast(tmp_path, mode):
         assert tracker.read_text() == "2" and (save / "iter_0000002" / "checksums.sha256").is_file()
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", list(SAVE_MODES))
 def test_no_process_outlives_rank_0_killed_mid_save(tmp_path, mode):
     """kill -9 of rank 0 while its checkpoint writer runs: the writer (and its own children)
     die with it, and every rank's process tree is gone when the launcher exits."""
     job = Job([*TINY, "--save", str(tmp_path / "ckpt"), "--save-interval", "1", "--num-workers", "0",
-               *(["--async-save"] if mode == "async" else [])])
-    job.wait_for("saved checkpoint" if mode == "sync" else "started saving checkpoint")
+               *SAVE_MODES[mode]])
+    job.wait_for(f"checkpoint {tmp_path / 'ckpt'} at iteration")  # saved, or started saving (async)
     deadline, writers = time.time() + 60, []
     while not writers and time.time() < deadline:
-        writers = [pid for pid in children(job.pids[0]) if forked_writer(pid)]
+        writers = [pid for pid in children(job.pids[0]) if forked_writer(pid) or spawned(pid)]
     assert writers, "no checkpoint writer seen"
     family = [*children(job.pids[0]), *children(job.pids[1])]  # + the Manager, sentinels, ...
     seen = set(family) | {g for pid in family for g in children(pid)}

@@ -1,0 +1,273 @@
+"""``--async-save``: megatron-core writes a checkpoint's tensors in a background process while
+training goes on; the checkpoint is published (checksums, rename, tracker) only once every rank's
+write is finished.
+
+The background writer is megatron-core's, chosen as Megatron-LM chooses it:
+
+* ``--use-persistent-ckpt-worker``: one long-lived worker process per rank
+  (``AsyncCallsQueue(persistent=True)``: megatron-core's ``PersistentAsyncCaller``), started at
+  the first save (on megatron-core 0.19, at start-up with ``--async-ckpt-cpu-priority`` /
+  ``--async-ckpt-io-priority``, as Megatron-LM's ``init_persistent_async_worker``);
+* otherwise a process forked per save (``TemporalAsyncCaller``). Megatron-LM 0.19 no longer saves
+  asynchronously without the persistent worker (it warns and saves synchronously): where the
+  flag table is 0.19's (it has ``--async-strategy``), so does this entry point.
+* ``--async-strategy`` (0.19): ``mcore`` is megatron-core's own writer; ``nvrx`` (upstream's
+  default) needs nvidia-resiliency-ext and is refused by name (:func:`check_args`), as is
+  ``--async-ckpt-use-cpu-shm``, which only nvrx's writer has.
+
+What megatron-core leaves out, done here (:class:`AsyncSaves`):
+
+* a writer that ended without finishing (killed by a signal) is not taken for a finished one:
+  each rank's writer leaves a mark beside the ``.incomplete`` folder when its write returned, and
+  nothing is published unless every rank's mark is there (:func:`mark_path`);
+* a persistent worker that died is noticed before the next save is handed to it and while a save
+  is awaited (megatron-core would wait for it forever): every rank raises, naming the ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import multiprocessing
+import multiprocessing.queues
+import os
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron.ciera.checkpoint_publish import INCOMPLETE, iteration_dir, print0
+
+__all__ = ["WRITER_DONE", "check_args", "async_queue", "AsyncSaves", "mark_path", "save_kwargs"]
+
+WRITER_DONE = ".writer-done."
+"""Infix of the mark a rank's background writer leaves beside ``iter_N.incomplete`` when its
+write returned (``iter_N.incomplete.writer-done.R``; removed before publication, and with the
+folder's other leftovers at the next start)."""
+
+_POLL_S = 0.05  # between two checks of a blocking finalisation
+
+
+def _strategy(args) -> str:
+    """The async strategy in force (``mcore`` on megatron-core 0.16, whose table has no choice)."""
+    return getattr(args, "async_strategy", "mcore")
+
+
+def check_args(args: argparse.Namespace, err: Callable[[str], None]) -> None:
+    """Report the ``--async-*`` combinations this entry point cannot honour (inert, as upstream,
+    without ``--async-save``)."""
+    if not args.async_save:
+        return
+    if _strategy(args) == "nvrx":
+        have = importlib.util.find_spec("nvidia_resiliency_ext") is not None
+        err("--async-strategy nvrx (upstream's default) " + (
+            "is nvidia-resiliency-ext's writer, which this entry point's publication (every rank's write "
+            "finished before the tracker moves) is not built on" if have else
+            "needs nvidia-resiliency-ext, which is not installed") + ": pass --async-strategy mcore")
+    if getattr(args, "async_ckpt_use_cpu_shm", False):
+        err("--async-ckpt-use-cpu-shm is a mode of nvidia-resiliency-ext's writer (--async-strategy nvrx); "
+            "megatron-core's own writer (mcore) has no such mode")
+
+
+def save_kwargs(args: argparse.Namespace | None, *, asynchronous: bool) -> dict:
+    """Keyword arguments of ``dist_checkpointing.save`` this megatron-core takes: the async
+    strategy (0.19: its default is nvrx, so always named) and ``--verify-integrity``."""
+    from megatron.core import dist_checkpointing
+
+    params = inspect.signature(dist_checkpointing.save).parameters
+    out = {}
+    if "async_strategy" in params:
+        out["async_strategy"] = _strategy(args) if asynchronous and args is not None else "mcore"
+    if getattr(args, "verify_integrity", False):
+        out["verify_integrity"] = True
+    if asynchronous:
+        out["async_sharded_save"] = True
+    return out
+
+
+def async_queue(args: argparse.Namespace) -> "AsyncSaves | None":
+    """Collective: the queue of asynchronous saves under ``--async-save`` (``None`` without it,
+    and on megatron-core 0.19 without ``--use-persistent-ckpt-worker``, as Megatron-LM)."""
+    if not getattr(args, "async_save", False):
+        return None
+    persistent = bool(getattr(args, "use_persistent_ckpt_worker", False))
+    if hasattr(args, "async_strategy") and not persistent:
+        print0("WARNING: --async-save is not supported without --use-persistent-ckpt-worker (as Megatron-LM "
+               "0.19): saving synchronously")
+        args.async_save = False
+        return None
+    # megatron-core's writer calls psutil before anything it guards: without it the writer dies,
+    # and the save waits for it forever
+    if importlib.util.find_spec("psutil") is None:
+        raise SystemExit("--async-save needs psutil (megatron-core's background checkpoint writer uses it): "
+                         "pip install psutil, or save without --async-save")
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    queue = AsyncCallsQueue(persistent=persistent)
+    if persistent:
+        _start_worker(queue, cpu_priority=getattr(args, "async_ckpt_cpu_priority", 10),
+                      io_priority=getattr(args, "async_ckpt_io_priority", None))
+    return AsyncSaves(queue, persistent=persistent)
+
+
+class _WatchedJoinableQueue(multiprocessing.queues.JoinableQueue):
+    """megatron-core's queue to the persistent worker, whose ``join`` (the trainer waiting for the
+    worker to take the tensors of a save) raises once the worker is gone instead of waiting forever."""
+
+    worker = None  # the process that serves this queue (set in the trainer; not sent to the worker)
+
+    def join(self):
+        with self._cond:
+            while not self._unfinished_tasks._semlock._is_zero():
+                if not self._cond.wait(timeout=1.0) and self.worker is not None and not self.worker.is_alive():
+                    raise RuntimeError(f"the persistent checkpoint worker (pid {self.worker.pid}) ended with exit "
+                                       f"code {self.worker.exitcode} before taking the save")
+
+
+def _worker_loop(*loop_args):
+    """megatron-core's persistent worker loop; on a machine without CUDA with the CPU shims (the
+    loop selects a CUDA device first)."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+
+    from megatron.ciera import cpu_compat
+
+    with cpu_compat.enabled(not torch.cuda.is_available()):
+        PersistentAsyncCaller.async_loop(*loop_args)
+
+
+def _start_worker(queue, *, cpu_priority: int, io_priority: int | None) -> None:
+    """Start megatron-core's persistent worker of this rank now (megatron-core 0.19's warm-up does
+    the same; 0.16 would start it at the first save) as megatron-core does, with megatron-core's
+    loop (:func:`_worker_loop`) and queues, the one the trainer waits on being watched
+    (:class:`_WatchedJoinableQueue`)."""
+    from megatron.core.dist_checkpointing.strategies import async_utils
+
+    ctx = multiprocessing.get_context("spawn")
+    level = async_utils.logger.getEffectiveLevel()
+    watched = _WatchedJoinableQueue(ctx=ctx)
+    caller_cls = async_utils.PersistentAsyncCaller
+    if hasattr(caller_cls, "_persistent_process"):  # megatron-core 0.19: one worker per process
+        if caller_cls._persistent_process is not None:
+            return
+        caller_cls._persistent_queue, caller_cls._persistent_preload_q = ctx.JoinableQueue(), watched
+        caller_cls._persistent_comp_q = ctx.Queue()
+        process = ctx.Process(target=_worker_loop, daemon=True, args=(
+            dist.get_rank(), caller_cls._persistent_queue, watched, caller_cls._persistent_comp_q, level,
+            cpu_priority, io_priority))
+        caller_cls._persistent_process = process
+    else:  # megatron-core 0.16: the queue's caller owns it
+        caller = queue._get_async_caller()
+        caller.preload_q = watched
+        process = ctx.Process(target=_worker_loop, args=(dist.get_rank(), caller.queue, watched, caller.comp_q, level))
+        caller.process = process
+    watched.worker = process
+    process.start()
+
+
+def mark_path(partial: str, rank: int) -> str:
+    """Where rank ``rank``'s writer marks a finished write of the ``partial`` folder."""
+    return f"{partial}{WRITER_DONE}{rank}"
+
+
+class _Marking:
+    """``fn`` then an empty file at ``path`` (picklable: the persistent worker receives it)."""
+
+    def __init__(self, fn, path: str):
+        self.fn, self.path = fn, path
+
+    def __call__(self, *args, **kwargs):
+        out = self.fn(*args, **kwargs)
+        with open(self.path, "w"):
+            pass
+        return out
+
+
+def _device():
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def _ranks_with(flag: bool) -> list[int]:
+    """Collective: the ranks where ``flag`` holds."""
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=_device())
+    flags[dist.get_rank()] = int(flag)
+    dist.all_reduce(flags)
+    return [r for r, f in enumerate(flags.tolist()) if f]
+
+
+class AsyncSaves:
+    """megatron-core's ``AsyncCallsQueue``, with each save published only when every rank's write
+    is finished and a dead persistent worker reported instead of awaited."""
+
+    def __init__(self, queue, *, persistent: bool):
+        self.queue = queue
+        """megatron-core's queue."""
+        self.persistent = persistent
+        """Whether the writer is the persistent worker process."""
+
+    def worker(self):
+        """The persistent worker process (``None`` before it started, or without one)."""
+        if not self.persistent:
+            return None
+        from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+
+        # megatron-core 0.16: the queue's caller owns it; 0.19: one per process, a class attribute
+        caller = getattr(self.queue, "persistent_caller", None)
+        return getattr(caller, "process", None) or getattr(PersistentAsyncCaller, "_persistent_process", None)
+
+    def _check_worker(self, when: str) -> None:
+        """Collective: raise on every rank if a rank's persistent worker is gone."""
+        if not self.persistent:
+            return
+        process = self.worker()
+        dead = _ranks_with(process is not None and not process.is_alive())
+        if dead:
+            raise RuntimeError(f"the persistent checkpoint worker of rank(s) {dead} is gone ({when}); the latest "
+                               "published checkpoint is still the one before")
+
+    def schedule(self, request, *, root: str, iteration: int, publish: Callable[[], None]) -> None:
+        """Collective: hand ``request`` (from ``dist_checkpointing.save(..., async_sharded_save=True)``
+        into ``iter_N.incomplete``) to the writer; at its finalisation, once every rank's writer
+        marked its write done, megatron-core's own finalisation, then ``publish()``."""
+        self._check_worker(f"before the save of iteration {iteration}")
+        partial = iteration_dir(root, iteration) + INCOMPLETE
+        done = mark_path(partial, dist.get_rank())
+        if request.async_fn is not None:
+            request = request._replace(async_fn=_Marking(request.async_fn, done))
+        else:  # nothing of this rank's to write in the background
+            open(done, "w").close()
+        # the marks are checked before megatron-core's finalisation (which would fail on a killed
+        # writer's missing results, naming no cause), the checkpoint published after it
+        request = request._replace(finalize_fns=[lambda: _check_written(root=root, iteration=iteration, done=done),
+                                                 *request.finalize_fns, publish])
+        self.queue.schedule_async_request(request)
+
+    def finalize(self, *, blocking: bool) -> None:
+        """Collective, every iteration and ``blocking`` before the run ends: finish (publish) the
+        saves whose writes are done on every rank; ``blocking`` waits for all of them, checking
+        the persistent workers while it waits."""
+        while self.queue.get_num_unfinalized_calls():  # the same count on every rank
+            self._check_worker("while its save was awaited")
+            self.queue.maybe_finalize_async_calls(blocking=False)
+            if not blocking:
+                return
+            if self.queue.get_num_unfinalized_calls():
+                time.sleep(_POLL_S)
+
+    def close(self) -> None:
+        """Collective: every save finished, the persistent worker stopped."""
+        self.finalize(blocking=True)
+        self.queue.close()
+
+
+def _check_written(*, root: str, iteration: int, done: str) -> None:
+    """Collective: raise on every rank, naming the ranks, unless every rank's background writer
+    finished its write (the previous checkpoint then stays the latest; the ``.incomplete`` folder
+    is removed by the next run); the marks are removed."""
+    lost = _ranks_with(not os.path.exists(done))
+    if lost:
+        raise RuntimeError(f"checkpoint iteration {iteration}: the background writer of rank(s) {lost} ended "
+                           f"before finishing its write (killed?); it is not published, and the latest "
+                           f"checkpoint in {root} is still the previous one")
+    os.remove(done)
