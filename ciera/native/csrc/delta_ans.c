@@ -15,6 +15,9 @@
 #define DANS_LOW (1u << 16)
 #define DANS_RAW 0xFFFF
 #define DANS_MAX_SYMBOLS 44 /* W + 12 for W = 32 */
+/* Words between two lanes' buffers in the encoder's scratch: the most words plus 37, so the 32
+ * write positions do not share one cache set (a power-of-two stride would: 4K aliasing). */
+#define DANS_STRIDE(mw) ((mw) + 37)
 
 static int64_t al16(int64_t n) { return (n + 15) / 16 * 16; }
 static int64_t dans_off_counts(const ciera_dans_layout *l, int64_t n_tab) {
@@ -52,71 +55,91 @@ ALWAYS_INLINE void dans_value(int W, int M, int E, const void *shard, const void
     }
 }
 
-HOT static void dans_hist_range(const ciera_dans_layout *l, const void *shard, const void *state, int64_t lo,
-                                int64_t hi, int64_t *hist) {
-    const int W = (int)l->total_bits, M = (int)l->mant_bits, E = (int)l->exp_bits, A = (int)l->n_symbols;
+ALWAYS_INLINE void dans_hist_range_fmt(const int W, const int M, const int E, int64_t A, const void *shard,
+                                       const void *state, int64_t lo, int64_t hi, int64_t *hist) {
     for (int64_t i = lo; i < hi; i++) {
         uint32_t z;
         int ctx, sym, k;
-        if (W == 16 && M == 7) dans_value(16, 7, 8, shard, state, i, &z, &ctx, &sym, &k);
-        else if (W == 16) dans_value(16, 10, 5, shard, state, i, &z, &ctx, &sym, &k);
-        else dans_value(32, 23, 8, shard, state, i, &z, &ctx, &sym, &k);
-        (void)E;
+        dans_value(W, M, E, shard, state, i, &z, &ctx, &sym, &k);
         hist[ctx * A + sym]++;
     }
 }
 
-/* Encoder's scratch for one block: per lane, the words in emission order. */
-typedef struct {
-    uint32_t freq[DANS_MAX_SYMBOLS], cum[DANS_MAX_SYMBOLS];
-} dans_table;
-
-ALWAYS_INLINE void dans_put_bits(uint32_t *x, uint32_t bits, int nb, uint16_t *words, int64_t *nw) {
-    if ((*x >> (32 - nb)) != 0) {
-        words[(*nw)++] = (uint16_t)(*x & 0xFFFF);
-        *x >>= 16;
-    }
-    *x = (*x << nb) | bits;
+HOT static void dans_hist_range(const ciera_dans_layout *l, const void *shard, const void *state, int64_t lo,
+                                int64_t hi, int64_t *hist) {
+    if (l->total_bits == 16 && l->mant_bits == 7) dans_hist_range_fmt(16, 7, 8, l->n_symbols, shard, state, lo, hi, hist);
+    else if (l->total_bits == 16) dans_hist_range_fmt(16, 10, 5, l->n_symbols, shard, state, lo, hi, hist);
+    else dans_hist_range_fmt(32, 23, 8, l->n_symbols, shard, state, lo, hi, hist);
 }
 
-/* Encodes block b's lanes into `words` (lane j's at words + j * max_words), their counts into nw
- * and final states into xs. */
+/* A table as the encoder uses it: frequency, cumulative frequency and 1 / frequency (double). */
+typedef struct {
+    uint32_t freq[DANS_MAX_SYMBOLS], cum[DANS_MAX_SYMBOLS];
+    double rcp[DANS_MAX_SYMBOLS];
+} dans_table;
+
+/* floor(x / f) for x < 2^32, f <= 2^12, from rcp = 1.0 / f: x / f lies at least 2^-12 below the
+ * next integer and x * rcp is within 2^-32 of it, so the 2^-24 nudge lands every exact quotient on
+ * its integer and no other past the next. No integer division (tens of cycles) per value. */
+ALWAYS_INLINE uint32_t dans_div(uint32_t x, double rcp) { return (uint32_t)((double)x * rcp + 0x1p-24); }
+
+/* Pushes nb (0..16) raw bits: a word out first when the shifted state would pass 2^32. The word is
+ * stored whether or not it is kept (the buffer has a word of slack); no branch. */
+ALWAYS_INLINE uint32_t dans_put_bits(uint32_t x, uint32_t bits, int nb, uint16_t *restrict w, int *nw) {
+    const int renorm = ((uint64_t)x >> (32 - nb)) != 0; /* nb = 0: x >> 32 = 0 */
+    w[*nw] = (uint16_t)x;
+    *nw += renorm;
+    x = renorm ? x >> 16 : x;
+    return (uint32_t)(((uint64_t)x << nb) | bits);
+}
+
+/* Encodes block b's lanes into `words` (lane j's at words + j * DANS_STRIDE, emission order),
+ * their counts into nw and final states into xs. W, M, E: the format, constants after inlining. */
+ALWAYS_INLINE void dans_encode_block_fmt(const int W, const int M, const int E, const ciera_dans_layout *l,
+                                         const void *shard, const void *state, const dans_table *tabs,
+                                         const int *tab_of, int64_t b, uint16_t *restrict words, int64_t *nw,
+                                         uint32_t *xs) {
+    const uint32_t mask = W == 16 ? 0xFFFFu : 0xFFFFFFFFu;
+    const int64_t B = l->block_size, base = b * B, nv = min64(B, l->numel - base), mw = DANS_STRIDE(l->max_words);
+    const int64_t steps = (nv + DANS_LANES - 1) / DANS_LANES;
+    uint32_t x[DANS_LANES];
+    int cnt[DANS_LANES]; /* locals: stores to the words cannot alias them (the build has no strict aliasing) */
+    for (int j = 0; j < DANS_LANES; j++) x[j] = DANS_LOW, cnt[j] = 0;
+    for (int64_t t = steps - 1; t >= 0; t--) {
+        const int lanes = (int)min64(DANS_LANES, nv - t * DANS_LANES);
+        const int64_t i0 = base + t * DANS_LANES;
+        for (int j = 0; j < lanes; j++) {
+            const uint32_t uo = load_u(state, i0 + j, W), d = (load_u(shard, i0 + j, W) - uo) & mask;
+            const uint32_t z = ((d << 1) ^ (0u - (d >> (W - 1)))) & mask;
+            const int ctx = (int)((uo >> M) & ((1u << E) - 1));
+            const int bl = z ? 32 - __builtin_clz(z) : 0;
+            const int direct = z < DANS_DIRECT;
+            const int sym = direct ? (int)z : bl + DANS_DIRECT - 5, k = direct ? 0 : bl - 1;
+            const uint32_t low = z & (uint32_t)lowmask64(k);
+            uint16_t *restrict w = words + j * mw;
+            uint32_t xj = x[j];
+            int c = cnt[j];
+            if (W == 32) xj = dans_put_bits(xj, low >> 16, k > 16 ? k - 16 : 0, w, &c);
+            xj = dans_put_bits(xj, low & 0xFFFF, k < 16 ? k : 16, w, &c);
+            const dans_table *tb = &tabs[tab_of[ctx]];
+            const uint32_t f = tb->freq[sym];
+            const int renorm = (uint64_t)xj >= ((uint64_t)f << (32 - DANS_P));
+            w[c] = (uint16_t)xj;
+            cnt[j] = c + renorm;
+            xj = renorm ? xj >> 16 : xj;
+            const uint32_t q = dans_div(xj, tb->rcp[sym]);
+            x[j] = (q << DANS_P) + (xj - q * f) + tb->cum[sym];
+        }
+    }
+    for (int j = 0; j < DANS_LANES; j++) xs[j] = x[j], nw[j] = cnt[j];
+}
+
 HOT static void dans_encode_block(const ciera_dans_layout *l, const void *shard, const void *state,
                                   const dans_table *tabs, const int *tab_of, int64_t b, uint16_t *words,
                                   int64_t *nw, uint32_t *xs) {
-    const int W = (int)l->total_bits, M = (int)l->mant_bits, E = (int)l->exp_bits;
-    const int64_t B = l->block_size, base = b * B, nv = min64(B, l->numel - base), mw = l->max_words;
-    const int64_t steps = (nv + DANS_LANES - 1) / DANS_LANES;
-    uint32_t x[DANS_LANES];
-    for (int j = 0; j < DANS_LANES; j++) x[j] = DANS_LOW, nw[j] = 0;
-    for (int64_t t = steps - 1; t >= 0; t--) {
-        const int lanes = (int)min64(DANS_LANES, nv - t * DANS_LANES);
-        for (int j = 0; j < lanes; j++) {
-            uint32_t z;
-            int ctx, sym, k;
-            const int64_t i = base + t * DANS_LANES + j;
-            if (W == 16 && M == 7) dans_value(16, 7, 8, shard, state, i, &z, &ctx, &sym, &k);
-            else if (W == 16) dans_value(16, 10, 5, shard, state, i, &z, &ctx, &sym, &k);
-            else dans_value(32, 23, 8, shard, state, i, &z, &ctx, &sym, &k);
-            (void)E;
-            uint16_t *w = words + j * mw;
-            uint32_t xj = x[j];
-            if (k > 0) {
-                const uint32_t low = z & (uint32_t)lowmask64(k);
-                if (k > 16) dans_put_bits(&xj, low >> 16, k - 16, w, &nw[j]);
-                dans_put_bits(&xj, low & 0xFFFF, k < 16 ? k : 16, w, &nw[j]);
-            }
-            const dans_table *tb = &tabs[tab_of[ctx]];
-            const uint32_t f = tb->freq[sym], c = tb->cum[sym];
-            if ((uint64_t)xj >= ((uint64_t)f << (32 - DANS_P))) {
-                w[nw[j]++] = (uint16_t)(xj & 0xFFFF);
-                xj >>= 16;
-            }
-            xj = ((xj / f) << DANS_P) + xj % f + c;
-            x[j] = xj;
-        }
-    }
-    for (int j = 0; j < DANS_LANES; j++) xs[j] = x[j];
+    if (l->total_bits == 16 && l->mant_bits == 7) dans_encode_block_fmt(16, 7, 8, l, shard, state, tabs, tab_of, b, words, nw, xs);
+    else if (l->total_bits == 16) dans_encode_block_fmt(16, 10, 5, l, shard, state, tabs, tab_of, b, words, nw, xs);
+    else dans_encode_block_fmt(32, 23, 8, l, shard, state, tabs, tab_of, b, words, nw, xs);
 }
 
 int64_t ciera_dans_encode(const ciera_dans_layout *l, const void *shard, void *state, uint8_t *out, int64_t capacity,
@@ -168,10 +191,10 @@ int64_t ciera_dans_encode(const ciera_dans_layout *l, const void *shard, void *s
         }
         tb->freq[top] = (uint32_t)((int64_t)tb->freq[top] + DANS_M - sum);
         uint32_t c = 0;
-        for (int64_t s = 0; s < A; s++) tb->cum[s] = c, c += tb->freq[s];
+        for (int64_t s = 0; s < A; s++) tb->cum[s] = c, c += tb->freq[s], tb->rcp[s] = tb->freq[s] ? 1.0 / tb->freq[s] : 0.0;
     }
     /* 3. blocks: streams staged in the block's raw area when they fit there. */
-    const size_t scratch = (size_t)(DANS_LANES * l->max_words) * sizeof(uint16_t);
+    const size_t scratch = (size_t)(DANS_LANES * DANS_STRIDE(l->max_words)) * sizeof(uint16_t);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         uint16_t *words = (uint16_t *)thread_scratch(scratch);
@@ -197,7 +220,7 @@ int64_t ciera_dans_encode(const ciera_dans_layout *l, const void *shard, void *s
             for (int j = 0; j < DANS_LANES && j < nv; j++) {
                 store_le(p, xb[j], 4);
                 p += 4;
-                const uint16_t *w = words + j * l->max_words;
+                const uint16_t *w = words + j * DANS_STRIDE(l->max_words);
                 for (int64_t r = nw[j] - 1; r >= 0; r--, p += 2) store_le(p, w[r], 2);
             }
         }
@@ -254,66 +277,76 @@ typedef struct {
     uint32_t freq[DANS_MAX_SYMBOLS], cum[DANS_MAX_SYMBOLS];
 } dans_dtable;
 
-HOT static int dans_decode_block(const ciera_dans_layout *l, const uint8_t *payload, const dans_dtable *tabs,
-                                 const int *tab_of, const uint16_t *cnt_unused, const int64_t *stream_start,
-                                 const int64_t *stream_end, int64_t b, void *target) {
-    (void)cnt_unused;
-    const int W = (int)l->total_bits, M = (int)l->mant_bits, E = (int)l->exp_bits;
+/* Refills the state from the lane's next word when it fell below 2^16 (and `cond`), without a
+ * branch: the word is read when the stream still holds one; *bad is set when it was needed and
+ * the stream had none. */
+ALWAYS_INLINE uint32_t dans_refill(uint32_t x, int cond, const uint8_t *payload, int64_t *a, int64_t e, int *bad) {
+    const int need = cond && x < DANS_LOW, has = *a + 2 <= e;
+    const uint32_t w = has ? (uint32_t)load_le(payload + (has ? *a : 0), 2) : 0;
+    *bad |= need && !has;
+    *a += 2 * need;
+    return need ? (x << 16) | w : x;
+}
+
+ALWAYS_INLINE int dans_decode_block_fmt(const int W, const int M, const int E, const ciera_dans_layout *l,
+                                        const uint8_t *payload, const dans_dtable *tabs, const int *tab_of,
+                                        const int64_t *stream_start, const int64_t *stream_end, int64_t b,
+                                        void *target) {
     const uint32_t mask = W == 16 ? 0xFFFFu : 0xFFFFFFFFu;
     const int64_t B = l->block_size, base = b * B, nv = min64(B, l->numel - base);
     const int64_t steps = (nv + DANS_LANES - 1) / DANS_LANES;
     uint32_t x[DANS_LANES];
     int64_t at[DANS_LANES], end[DANS_LANES];
+    int bad = 0;
     for (int j = 0; j < DANS_LANES && j < nv; j++) {
         const int64_t s = stream_start[b * DANS_LANES + j];
         x[j] = (uint32_t)load_le(payload + s, 4);
         at[j] = s + 4, end[j] = stream_end[b * DANS_LANES + j];
     }
-#define DANS_REFILL(cond)                                  \
-    if ((cond) && xj < DANS_LOW) {                         \
-        if (a + 2 > e) return CIERA_E_STREAM;              \
-        xj = (xj << 16) | (uint32_t)load_le(payload + a, 2); \
-        a += 2;                                            \
-    }
     for (int64_t t = 0; t < steps; t++) {
         const int lanes = (int)min64(DANS_LANES, nv - t * DANS_LANES);
+        const int64_t i0 = base + t * DANS_LANES;
         for (int j = 0; j < lanes; j++) {
-            const int64_t i = base + t * DANS_LANES + j;
-            const uint32_t uo = load_u(target, i, W);
-            const int ctx = (int)((uo >> M) & ((1u << E) - 1));
-            if (tab_of[ctx] < 0) return CIERA_E_NO_TABLE;
-            const dans_dtable *tb = &tabs[tab_of[ctx]];
+            const uint32_t uo = load_u(target, i0 + j, W);
+            const int tab = tab_of[(uo >> M) & ((1u << E) - 1)];
+            if (tab < 0) return CIERA_E_NO_TABLE;
+            const dans_dtable *tb = &tabs[tab];
             uint32_t xj = x[j];
             int64_t a = at[j];
-            const int64_t e = end[j];
             const uint32_t slot = xj & (DANS_M - 1);
             const int s = tb->sym[slot];
             xj = tb->freq[s] * (xj >> DANS_P) + slot - tb->cum[s];
-            DANS_REFILL(1)
-            uint32_t z;
-            if (s < DANS_DIRECT) {
-                z = (uint32_t)s;
-            } else {
-                const int k = s - (DANS_DIRECT - 4), lo_n = k < 16 ? k : 16;
-                const uint32_t lo = xj & ((1u << lo_n) - 1);
-                xj >>= lo_n;
-                DANS_REFILL(1)
-                uint32_t hi = 0;
-                if (k > 16) {
-                    hi = xj & ((1u << (k - 16)) - 1);
-                    xj >>= k - 16;
-                    DANS_REFILL(1)
-                }
-                z = (1u << k) | (hi << 16) | lo;
+            xj = dans_refill(xj, 1, payload, &a, end[j], &bad);
+            const int k = s >= DANS_DIRECT ? s - (DANS_DIRECT - 4) : 0, lo_n = k < 16 ? k : 16;
+            const uint32_t lo = xj & ((1u << lo_n) - 1);
+            xj >>= lo_n;
+            xj = dans_refill(xj, lo_n > 0, payload, &a, end[j], &bad);
+            uint32_t hi = 0;
+            if (W == 32) {
+                const int hi_n = k > 16 ? k - 16 : 0;
+                hi = xj & ((1u << hi_n) - 1);
+                xj >>= hi_n;
+                xj = dans_refill(xj, hi_n > 0, payload, &a, end[j], &bad);
             }
+            const uint32_t z = s < DANS_DIRECT ? (uint32_t)s : (1u << k) | (hi << 16) | lo;
             x[j] = xj, at[j] = a;
-            store_u(target, i, (uo + ((z >> 1) ^ (0u - (z & 1)))) & mask, W);
+            store_u(target, i0 + j, (uo + ((z >> 1) ^ (0u - (z & 1)))) & mask, W);
         }
+        if (bad) return CIERA_E_STREAM;
     }
-#undef DANS_REFILL
     for (int j = 0; j < DANS_LANES && j < nv; j++)
         if (at[j] != end[j] || x[j] != DANS_LOW) return CIERA_E_STREAM;
     return CIERA_OK;
+}
+
+HOT static int dans_decode_block(const ciera_dans_layout *l, const uint8_t *payload, const dans_dtable *tabs,
+                                 const int *tab_of, const int64_t *stream_start, const int64_t *stream_end,
+                                 int64_t b, void *target) {
+    if (l->total_bits == 16 && l->mant_bits == 7)
+        return dans_decode_block_fmt(16, 7, 8, l, payload, tabs, tab_of, stream_start, stream_end, b, target);
+    if (l->total_bits == 16)
+        return dans_decode_block_fmt(16, 10, 5, l, payload, tabs, tab_of, stream_start, stream_end, b, target);
+    return dans_decode_block_fmt(32, 23, 8, l, payload, tabs, tab_of, stream_start, stream_end, b, target);
 }
 
 int ciera_dans_decode(const ciera_dans_layout *l, const uint8_t *payload, int64_t length, void *target, int threads) {
@@ -384,7 +417,7 @@ int ciera_dans_decode(const ciera_dans_layout *l, const uint8_t *payload, int64_
                     store_u(target, i, (load_u(target, i, W) + ((z >> 1) ^ (0u - (z & 1)))) & mask, W);
                 }
             } else {
-                r = dans_decode_block(l, payload, tabs, tab_of, NULL, start, end, b, target);
+                r = dans_decode_block(l, payload, tabs, tab_of, start, end, b, target);
             }
             if (r != CIERA_OK) {
 #pragma omp critical(ciera_dans_err)
