@@ -564,6 +564,10 @@ def _check_layout(args, world: int, err) -> None:
                 args.virtual_pipeline_model_parallel_size = args.num_layers // (pp * vstage)
         else:
             args.virtual_pipeline_model_parallel_size = vranks
+            if (args.decoder_first_pipeline_num_layers is None and args.decoder_last_pipeline_num_layers is None
+                    and args.pipeline_model_parallel_layout is None and args.num_layers % (pp * vranks) != 0):
+                err(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
+                    f"--num-virtual-stages-per-pipeline-rank {vranks} = {pp * vranks}")
     if args.virtual_pipeline_model_parallel_size is None:  # as upstream: only the interleaved schedule overlaps
         args.overlap_p2p_comm = False
         args.align_param_gather = False

@@ -178,8 +178,8 @@ def shrink(path: Path) -> tuple[list[str], int]:
         else:
             tp, etp = max(tp // 2, 1), max(etp // 2, 1)
     world = need * 2 if need * 2 <= 8 else need  # data-parallel 2 where it fits: the gather has peers
-    vstage = args.num_layers_per_virtual_pipeline_stage
-    layers = pp * (2 * vstage if vstage else 1) if pp > 1 else 2
+    vstage, vranks = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
+    layers = pp * (2 * vstage if vstage else vranks or 1) if pp > 1 else 2
     heads = 4 * tp
     groups = tp if args.group_query_attention else None
     sizes = ["--num-layers", str(layers), "--hidden-size", str(16 * heads), "--num-attention-heads", str(heads),
@@ -258,3 +258,13 @@ def test_shrink_keeps_the_flags_and_cuts_the_sizes():
     assert args.mock_data and args.save is None and not re.search(r"/data/", " ".join(flags))
     kept = {w for w in _flags(path) if w.startswith("--")} - _DROP - _SIZES
     assert kept <= {w for w in flags if w.startswith("--")}
+
+
+def test_virtual_stages_per_rank_must_divide_the_layers():
+    """Refused up front, as megatron-core would refuse it while building the model on every rank."""
+    from flag_args import TINY_FLAGS, parse_and_validate
+
+    with pytest.raises(ValueError, match=r"--num-layers 2 is not divisible by --pipeline-model-parallel-size 2 x "
+                                         r"--num-virtual-stages-per-pipeline-rank 4 = 8"):
+        parse_and_validate([*TINY_FLAGS, "--use-distributed-optimizer", "--pipeline-model-parallel-size", "2",
+                            "--num-virtual-stages-per-pipeline-rank", "4", "--global-batch-size", "8"], world=2)
