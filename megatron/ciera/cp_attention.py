@@ -23,8 +23,6 @@ is the one place that puts this class into the spec.
 from __future__ import annotations
 
 import copy
-import functools
-import inspect
 from typing import Optional
 
 import torch
@@ -36,28 +34,22 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.utils import is_layer_window_attention
 
+from .upstream_features import features
+
 __all__ = ["ContextParallelDotProductAttention", "batch_on_this_cp_rank", "query_positions", "sequence_order",
            "causal_mask"]
-
-
-@functools.lru_cache(maxsize=None)
-def _slicer():
-    """megatron-core's ``get_batch_on_this_cp_rank`` and whether it takes 0.19.x's required
-    ``is_hybrid_cp`` (0.16.x has no such argument)."""
-    from megatron.core.utils import get_batch_on_this_cp_rank
-
-    return get_batch_on_this_cp_rank, "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters
 
 
 def batch_on_this_cp_rank(batch: dict, cp_group=None) -> dict:
     """This CP rank's two sequence chunks of every tensor in ``batch``, by megatron-core's own
     slicing (version isolation: 0.19.x adds ``is_hybrid_cp``, and without a group it would slice
     over the whole world, so the CP group is always passed)."""
-    slice_batch, takes_hybrid = _slicer()
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
     group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group()
-    if takes_hybrid:
-        return slice_batch(batch, is_hybrid_cp=False, cp_group=group)
-    return slice_batch(batch, cp_group=group)
+    if features().cp_slicer_takes_is_hybrid_cp:
+        return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=group)
+    return get_batch_on_this_cp_rank(batch, cp_group=group)
 
 
 def query_positions(*, chunk: int, cp_rank: int, cp_size: int, device=None) -> Tensor:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from . import cpu_compat
+from .upstream_features import features
 
 __all__ = ["initialize", "check_agreement", "differing_flags"]
 
@@ -76,8 +77,7 @@ def initialize(args) -> None:
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
-        # --disable-gloo-process-groups: dest enable_gloo_process_groups (0.16), use_gloo_process_groups (0.19)
-        create_gloo_process_groups=getattr(args, "enable_gloo_process_groups", getattr(args, "use_gloo_process_groups", True)),
+        create_gloo_process_groups=getattr(args, features().gloo_groups_dest),
     )
     # Megatron-LM offsets the seed by the pipeline rank (and keeps TP/EP offsets inside the tracker).
     seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
