@@ -184,6 +184,10 @@ class _Marking:
         return out
 
 
+def _nothing() -> None:
+    """The background write of a rank with nothing to write."""
+
+
 def _device():
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
@@ -235,6 +239,8 @@ class AsyncSaves:
         done = mark_path(partial, dist.get_rank())
         if request.async_fn is not None:
             request = request._replace(async_fn=_Marking(request.async_fn, done))
+        elif self.persistent:  # nothing to write, but a started worker is awaited: it marks at once
+            request = request._replace(async_fn=_Marking(_nothing, done), async_fn_args=())
         else:  # nothing of this rank's to write in the background
             open(done, "w").close()
         # the marks are checked before megatron-core's finalisation (which would fail on a killed
@@ -258,7 +264,8 @@ class AsyncSaves:
     def close(self) -> None:
         """Collective: every save finished, the persistent worker stopped."""
         self.finalize(blocking=True)
-        self.queue.close()
+        worker = self.worker()
+        self.queue.close(abort=worker is not None and not worker.is_alive())  # (a dead one cannot be told)
 
 
 def _check_written(*, root: str, iteration: int, done: str) -> None:

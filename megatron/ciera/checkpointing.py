@@ -28,9 +28,12 @@ Nothing lost:
   agreed over all ranks): a damaged checkpoint fails on every rank naming the files, or, with
   ``--ckpt-fallback-to-previous``, the newest earlier checkpoint that passes is loaded.
 
-``--async-save``: megatron-core writes the tensors in a background process and the publication
-(checksums, rename, tracker) runs in its finalisation, once every rank's write is done
-(:func:`finalize_async_saves`, called by the loop every iteration): atomic as above.
+``--async-save``: megatron-core writes the tensors in a background process (forked per save, or
+megatron-core's persistent worker with ``--use-persistent-ckpt-worker``:
+:mod:`megatron.ciera.checkpoint_async`) and the publication (checksums, rename, tracker) runs in
+its finalisation, once every rank's write is done (:func:`finalize_async_saves`, called by the
+loop every iteration): atomic as above. ``--save-retain-interval`` removes the previous latest
+checkpoint after each publication, as Megatron-LM (:func:`~megatron.ciera.checkpoint_publish.retire`).
 
 ``--ckpt-format torch`` writes Megatron-LM's legacy per-rank files instead
 (:mod:`megatron.ciera.torch_checkpoint`), published the same way; it loads only at its own layout.

@@ -162,12 +162,14 @@ def test_killed_dataloader_worker_ends_the_job_fast():
 
 # --async-save: megatron-core's TemporalAsyncCaller takes a writer killed by a signal for a finished
 # one; checkpointing publishes a save only when every rank's writer left its mark (WRITER_DONE), so
-# the job ends on the missing mark if the watchdog has not named the dead child first.
+# the job ends on the missing mark if the watchdog has not named the dead child first. A dead
+# persistent worker is named by the watchdog, or by checkpoint_async before the run would wait on it.
 @pytest.mark.parametrize("mode", list(SAVE_MODES))
 def test_killed_checkpoint_writer_ends_the_job_fast(tmp_path, mode):
     """Every process rank 0 forks for the save of iteration 4 dies at once (rank 0 writes the
     replicated tensors: it always has a writer), or its persistent worker is killed as it takes
-    that save; the save of iteration 2 stays the latest."""
+    that save; the save of iteration 2 stays the latest, and (persistent worker) a resume loads it
+    and trains on."""
     save = tmp_path / "ckpt"
     job = Job([*TINY, "--save", str(save), "--save-interval", "2", *SAVE_MODES[mode]], fault="kill-writer:0:4")
     started = job.wait_for(" iteration        4/")
@@ -178,12 +180,19 @@ def test_killed_checkpoint_writer_ends_the_job_fast(tmp_path, mode):
     # raised on the missing results itself (then rank 0's traceback carries that error).
     assert re.search(r"rank 0: child process \d+ was killed by SIGKILL", out) or (
         re.search(r"rank \d: \w+ \(ending this rank now", out)
-        and re.search(r"Worker failure|results_queue|CheckpointException|background writer of rank\(s\) \[0\]", out)), \
+        and re.search(r"Worker failure|results_queue|CheckpointException|background writer of rank\(s\) \[0\]|"
+                      r"persistent checkpoint worker", out)), \
         out[-3000:]
     assert not (save / "iter_0000004").exists()
     tracker = save / "latest_checkpointed_iteration.txt"
     if mode == "sync" or tracker.exists():  # an async save of iteration 2 may still be under way
         assert tracker.read_text() == "2" and (save / "iter_0000002" / "checksums.sha256").is_file()
+    if mode == "async-persistent":  # what is left loads (iteration 2, or nothing published yet)
+        from megatron.ciera.launch import run_pretrain
+
+        resumed = run_pretrain([*TINY, "--load", str(save), "--train-iters", "3", *SAVE_MODES[mode]], timeout=300)
+        assert resumed.returncode == 0, resumed.output[-3000:]
+        assert ("loaded checkpoint" in resumed.output) == tracker.exists(), resumed.output[-3000:]
 
 
 @pytest.mark.parametrize("mode", list(SAVE_MODES))
