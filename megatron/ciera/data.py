@@ -37,15 +37,18 @@ TOKENIZERS = ("NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", *MODE
 """The ``--tokenizer-type`` values :func:`build_tokenizer` builds."""
 
 TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "tiktoken_pattern",
-                   "tiktoken_num_special_tokens", "tokenizer_special_tokens", "tokenizer_sentencepiece_legacy")
-"""Flags :func:`build_tokenizer` honours (``--tokenizer-special-tokens`` and the ``--tiktoken-*`` /
-SentencePiece ones through megatron-core's builder)."""
+                   "tiktoken_num_special_tokens", "tokenizer_special_tokens", "special_tokens",
+                   "tokenizer_sentencepiece_legacy", "tokenizer_sentencepiece_ignore_extra_whitespaces")
+"""Flags :func:`build_tokenizer` honours (``--tokenizer-special-tokens``, whose dest is
+``special_tokens`` from 0.19 on, and the ``--tiktoken-*`` / SentencePiece ones through
+megatron-core's builder)."""
 
 
 def _megatron_tokenizer(args: argparse.Namespace):
     """TikToken and SentencePiece (Llama 2) tokenizers from ``--tokenizer-model``, by megatron-core's
     own builder (the one upstream's ``pretrain_gpt.py`` calls; it moved in 0.19). GPT2BPETokenizer is
     not built there: megatron-core's asks the Hugging Face hub for ``gpt2``'s configuration."""
+    import copy
     import importlib
 
     package = MODEL_FILE_TOKENIZERS[args.tokenizer_type]
@@ -60,8 +63,10 @@ def _megatron_tokenizer(args: argparse.Namespace):
         from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer as build
     except ImportError:  # megatron-core < 0.19
         from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer as build
+    view = copy.copy(args)
+    view.pad_vocab_size = False  # 0.19's builder would set padded_vocab_size; training pads itself
     try:
-        return build(args)
+        return build(view)
     except AssertionError as exc:  # megatron-core's consistency checks of the file against the flags
         hint = (f"; TikTokenizer: --vocab-size {args.vocab_size} must be at most --tiktoken-num-special-tokens "
                 f"{args.tiktoken_num_special_tokens} + the file's entries" if args.tokenizer_type == "TikTokenizer" else "")

@@ -144,7 +144,7 @@ _FEATURE_PATTERNS = [
                    r"use_dist_ckpt|use_checkpoint_opt_param_scheduler|use_checkpoint_args|exit_on_missing_checkpoint|save_retain_interval|no_save_optim|no_save_rng|save_optim|save_rng|"
                    r"use_persistent_ckpt_worker|async_strategy|async_ckpt_.*|verify_integrity"),
     ("eval", r"eval_interval|eval_iters|skip_train|full_validation|multiple_validation_sets|test_mode"),
-    ("data", r"split|data_path|tokenizer_.*|tiktoken_.*|vocab_file|merge_file|vocab_extra_ids|train_data_path|valid_data_path|test_data_path|data_cache_path|num_workers|"
+    ("data", r"split|data_path|tokenizer_.*|tiktoken_.*|special_tokens|vocab_file|merge_file|vocab_extra_ids|train_data_path|valid_data_path|test_data_path|data_cache_path|num_workers|"
              r"per_split_data_args_path|data_args_path|mmap_bin_files|no_mmap_bin_files|create_attention_mask_in_dataloader|"
              r"reset_position_ids|reset_attention_mask|eod_mask_loss|num_dataset_builder_threads|"
              r"object_storage_cache_path|mid_level_dataset_surplus|dataloader_type|no_create_attention_mask_in_dataloader"),

@@ -13,12 +13,17 @@ BASE = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2"
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--eval-iters", "0", "--num-workers", "0",
         "--device", "cpu", "--use-distributed-optimizer", "--seed", "7", "--log-interval", "1"]
 NEW_RELEASE = hasattr(arguments.build_parser().parse_args([]), "step_batch_size_schedule")
-RAMP = (["--step-batch-size-schedule", "0:4 12:8 28:12", "--train-samples", "52"] if NEW_RELEASE else
+# The same batches either way: 4 from sample 0, 8 from sample 12, 12 from sample 28 (the step schedule's
+# thresholds count tokens: samples x --seq-length 32).
+RAMP = (["--step-batch-size-schedule", "0:4 384:8 896:12", "--train-samples", "52"] if NEW_RELEASE else
         ["--rampup-batch-size", "4", "4", "24", "--global-batch-size", "12", "--train-samples", "52"])
 
 
 def _parse(extra, world=2):
-    return arguments.validate_args(arguments.build_parser().parse_args(BASE + extra), world_size=world)
+    parser = arguments.build_parser()
+    args = parser.parse_args(BASE + extra)
+    args.explicit = arguments.explicit_dests(parser, BASE + extra)
+    return arguments.validate_args(args, world_size=world)
 
 
 def _error(extra):
@@ -35,7 +40,7 @@ def _upstream_iterations(args):
     kwargs = dict(rank=1, global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
                   data_parallel_size=args.data_parallel_size, decrease_batch_size_if_needed=False)
     if NEW_RELEASE:
-        kwargs.update(step_batch_size_schedule=args.step_batch_size_schedule, seq_length=None)
+        kwargs.update(step_batch_size_schedule=args.step_batch_size_schedule, seq_length=args.seq_length)
     else:
         kwargs.update(rampup_batch_size=args.rampup_batch_size)
     nmc.init_num_microbatches_calculator(**kwargs)
