@@ -19,7 +19,7 @@ import importlib.util
 import inspect
 from dataclasses import dataclass
 
-__all__ = ["UpstreamFeatures", "features", "has_flag"]
+__all__ = ["UpstreamFeatures", "features", "has_flag", "null_tokenizer_vocab_size"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,11 @@ class UpstreamFeatures:
     gloo_groups_dest: str
     """The dest of ``--disable-gloo-process-groups`` in the flag table: ``enable_gloo_process_groups``
     (0.16) or ``use_gloo_process_groups`` (0.19); ``initialize_model_parallel`` takes its value."""
+
+    null_tokenizer_eod_offset: int
+    """Where ``NullTokenizer(vocab_size)`` puts its EOD, relative to ``vocab_size``: 0 (0.16: EOD =
+    ``vocab_size``, ``vocab_size + 1`` ids) or -1 (0.19: EOD = ``vocab_size - 1``, ``vocab_size`` ids).
+    A corpus whose EOD is id E trains with ``--vocab-size`` :func:`null_tokenizer_vocab_size` (E)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,6 +73,7 @@ def features() -> UpstreamFeatures:
     """The installed megatron-core's :class:`UpstreamFeatures` (probed on first call)."""
     from importlib.metadata import version
 
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     from .arguments import _table_path
@@ -78,4 +84,11 @@ def features() -> UpstreamFeatures:
         ships_training=importlib.util.find_spec("megatron.training") is not None,
         cp_slicer_takes_is_hybrid_cp="is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters,
         gloo_groups_dest=_gloo_dest(),
+        null_tokenizer_eod_offset=NullTokenizer(16).eod - 16,
     )
+
+
+def null_tokenizer_vocab_size(eod: int) -> int:
+    """The ``--vocab-size`` that puts the installed release's ``NullTokenizer`` EOD at id ``eod``
+    (``tools/preprocess_data.py``'s byte corpus: EOD 260, so 260 on 0.16 and 261 on 0.19)."""
+    return eod - features().null_tokenizer_eod_offset

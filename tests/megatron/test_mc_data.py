@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron.ciera import arguments, data
+from megatron.ciera.upstream_features import null_tokenizer_vocab_size
 
 
 class BatchOrder:
@@ -66,7 +67,8 @@ def test_weighted_blend_parsing_and_vocab_padding():
 
 # --- the dataset flags (GPTDatasetConfig) on a corpus tools/preprocess_data.py wrote ---
 
-EOD = 260  # tools/preprocess_data.py's byte tokenizer: NullTokenizer --vocab-size 260 puts its EOD here
+EOD = 260  # tools/preprocess_data.py's byte tokenizer: NullTokenizer's EOD must land here
+BYTE_VOCAB = str(null_tokenizer_vocab_size(EOD))  # 260 on megatron-core 0.16, 261 on 0.19 (EOD = vocab_size - 1)
 
 
 def _byte_corpus(tmp_path):
@@ -90,7 +92,7 @@ def _first_samples(tmp_path, prefix, extra, n=6):
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     base = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "64",
             "--lr", "1e-4", "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "4",
-            "--tokenizer-type", "NullTokenizer", "--vocab-size", "260", "--data-path", prefix, "--split", "100,0,0",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", BYTE_VOCAB, "--data-path", prefix, "--split", "100,0,0",
             "--data-cache-path", str(tmp_path / "cache")]
     args = arguments.validate_args(arguments.build_parser().parse_args(base + extra), world_size=1)
     dataset = data.build_datasets(args, data.build_tokenizer(args))[0]
@@ -152,7 +154,7 @@ def test_training_with_the_dataset_flags_is_bit_identical_with_ciera(tmp_path):
     prefix = _byte_corpus(tmp_path)
     flags = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "64",
              "--max-position-embeddings", "64", "--lr", "1e-3", "--micro-batch-size", "2", "--global-batch-size", "4",
-             "--train-iters", "3", "--tokenizer-type", "NullTokenizer", "--vocab-size", "260", "--data-path", prefix,
+             "--train-iters", "3", "--tokenizer-type", "NullTokenizer", "--vocab-size", BYTE_VOCAB, "--data-path", prefix,
              "--split", "100,0,0", "--data-cache-path", str(tmp_path / "cache"), "--eval-iters", "0",
              "--num-workers", "0", "--device", "cpu", "--seed", "3", "--use-distributed-optimizer",
              "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss", "--no-mmap-bin-files"]
