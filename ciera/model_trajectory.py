@@ -167,7 +167,7 @@ class TinyMoE(nn.Module):
         return self.output_layer(self.decoder.final_layernorm(x))
 
 
-def param_kind(name: str) -> str:
+def param_kind(*, name: str) -> str:
     """The :data:`KINDS` entry of one of :class:`TinyMoE`'s parameter names."""
     for part, kind in (("layernorm", "norm"), ("experts", "expert"), ("router", "router"),
                        ("self_attention", "attention"), ("embedding", "embedding"), ("output_layer", "output")):
@@ -176,13 +176,13 @@ def param_kind(name: str) -> str:
     raise ValueError(f"param_kind: no kind for parameter {name!r}")
 
 
-def megatron_layout(sizes: list[tuple[str, int]], *, world: int) -> tuple[list[ParamSlot], int]:
+def megatron_layout(*, sizes: list[tuple[str, int]], world: int) -> tuple[list[ParamSlot], int]:
     """Slots of parameters ``(name, numel)`` (in registration order) in a distributed-optimizer
     buffer of one bucket, and the buffer's padded length (a multiple of ``lcm(world, 128)``)."""
     slots, end = [], 0
     for name, numel in reversed(sizes):  # reverse: roughly the order backprop produces gradients
         start = -(-end // 64) * 64
-        slots.append(ParamSlot(name=name, kind=param_kind(name), start=start, numel=numel))
+        slots.append(ParamSlot(name=name, kind=param_kind(name=name), start=start, numel=numel))
         end = start + numel
     div = math.lcm(world, 128)
     return slots, -(-end // div) * div
@@ -208,7 +208,7 @@ class ModelTrajectory:
         named = list(model.named_parameters())
         out_std = 0.02 / math.sqrt(2 * shape.layers)  # Megatron's scaled init of output projections
         for name, p in named:
-            if param_kind(name) == "norm":
+            if param_kind(name=name) == "norm":
                 nn.init.ones_(p)
             else:
                 std = out_std if ("linear_proj" in name or "weight2" in name) else 0.02
@@ -220,12 +220,12 @@ class ModelTrajectory:
             for p in self.params:
                 p.copy_(p.to(dtype))
         self.masters = [p.detach().clone() for p in self.params]  # fp32 main params start at the bf16 values
-        decay = [m for (n, _), m in zip(named, self.masters) if param_kind(n) != "norm"]
-        no_decay = [m for (n, _), m in zip(named, self.masters) if param_kind(n) == "norm"]
+        decay = [m for (n, _), m in zip(named, self.masters) if param_kind(name=n) != "norm"]
+        no_decay = [m for (n, _), m in zip(named, self.masters) if param_kind(name=n) == "norm"]
         self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                             {"params": no_decay, "weight_decay": 0.0}],
                                            lr=lr, betas=betas, eps=eps, foreach=False)
-        self.slots, self.numel = megatron_layout([(n, p.numel()) for n, p in named], world=world)
+        self.slots, self.numel = megatron_layout(sizes=[(n, p.numel()) for n, p in named], world=world)
         self.shard_numel = self.numel // world
         # A fixed sparse bigram table: every token has four likely successors (learnable structure).
         self.successors = torch.randint(0, shape.vocab, (shape.vocab, 4), generator=self.gen)

@@ -12,8 +12,9 @@ SMALL = MoEShape(vocab=64, hidden=32, heads=2, experts=4, expert_hidden=32, seq=
 
 
 def test_layout_follows_the_distributed_optimizer():
-    slots, numel = megatron_layout([("embedding.word_embeddings.weight", 100), ("decoder.final_layernorm.weight", 30),
-                                    ("output_layer.weight", 65)], world=3)
+    sizes = [("embedding.word_embeddings.weight", 100), ("decoder.final_layernorm.weight", 30),
+             ("output_layer.weight", 65)]
+    slots, numel = megatron_layout(sizes=sizes, world=3)
     assert [s.name for s in slots] == ["output_layer.weight", "decoder.final_layernorm.weight",
                                        "embedding.word_embeddings.weight"]  # reverse registration order
     assert [s.start for s in slots] == [0, 128, 192]  # each start aligned to 64 values
@@ -51,3 +52,14 @@ def test_masters_are_fp32_and_parameters_their_bf16_cast():
         assert m.dtype == torch.float32
         assert torch.equal(p.detach(), m.to(torch.bfloat16).float())
     assert not any(torch.equal(p.detach(), m) for p, m in zip(traj.params, traj.masters) if p.numel() > 64)
+
+
+def test_bad_shapes_and_worlds_are_refused_with_the_numbers():
+    import pytest
+
+    with pytest.raises(ValueError, match="hidden 30 is not a multiple of heads 4"):
+        MoEShape(hidden=30)
+    with pytest.raises(ValueError, match="top_k 3 not in"):
+        MoEShape(experts=2, top_k=3)
+    with pytest.raises(ValueError, match="world 0"):
+        ModelTrajectory(world=0, shape=SMALL)
