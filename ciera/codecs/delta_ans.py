@@ -326,12 +326,12 @@ def decode_reference(*, layout: DeltaAnsLayout, payload: torch.Tensor, target_bi
     dev = payload.device
     length = payload.numel()
     if length < layout.off_data(0):
-        raise _corrupt("the fixed sections run past the payload's end")
+        raise _corrupt("a section runs past the payload's end")
     mbytes = payload[layout.off_map : layout.off_map + layout.map_bytes].to(torch.int64)
     mapped = ((mbytes[:, None] >> torch.arange(8, device=dev)) & 1).reshape(-1).bool()
     n_tab = int(mapped.sum())
     if layout.off_data(n_tab) > length:
-        raise _corrupt("the tables run past the payload's end")
+        raise _corrupt("a section runs past the payload's end")
     freq = _from_le(payload[layout.off_tables : layout.off_tables + n_tab * layout.table_bytes].view(n_tab, A, 2))
     if n_tab and bool((freq.sum(1) != M).any()):
         raise _corrupt("a frequency table does not sum to 2^12")
@@ -353,7 +353,7 @@ def decode_reference(*, layout: DeltaAnsLayout, payload: torch.Tensor, target_bi
     block_bytes = torch.where(raw, block_vals * S, ans_bytes)
     block_start = layout.off_data(n_tab) + torch.cumsum(block_bytes, 0) - block_bytes
     if layout.off_data(n_tab) + int(block_bytes.sum()) > length:
-        raise _corrupt("the streams run past the payload's end")
+        raise _corrupt("a section runs past the payload's end")
     stream_start = (block_start.repeat_interleave(LANES)
                     + (torch.cumsum(stream_bytes.view(-1, LANES), 1) - stream_bytes.view(-1, LANES)).reshape(-1))
 
@@ -429,7 +429,8 @@ class DeltaAnsCodec(Codec):
     encode_reference = staticmethod(encode_reference)
     decode_reference = staticmethod(decode_reference)
     decode_many_reference = staticmethod(decode_many_reference)
-    kernels = "ciera.kernels.delta_ans"
+    kernels = ""
+    """No Triton twin yet: CUDA tensors run the pure-torch reference (it is device-generic)."""
 
     def __init__(self, *, dtype: torch.dtype, numel: int, backend: str = "auto", block_size: int = 32768):
         super().__init__(dtype=dtype, numel=numel, backend=backend)
@@ -454,6 +455,12 @@ class DeltaAnsCodec(Codec):
     def reset_state(self, *, state: torch.Tensor, shard: torch.Tensor) -> None:
         self._check_shard(shard)
         state.copy_(as_bits(shard))
+
+    def _use_triton(self, t: torch.Tensor) -> bool:
+        if self.backend == "triton":
+            raise RuntimeError("delta_ans: backend='triton' but this codec has no Triton twin; use 'auto' "
+                               "(the pure-torch reference on CUDA, the native twin on CPU) or 'torch'")
+        return False
 
     def _check_state(self, state) -> None:
         if state is None or state.dtype != self.fmt.bits_dtype or state.numel() != self.numel:
