@@ -3,6 +3,7 @@ optimizer does, trained deterministically."""
 
 import math
 
+import pytest
 import torch
 
 from ciera.codecs import as_bits
@@ -55,8 +56,6 @@ def test_masters_are_fp32_and_parameters_their_bf16_cast():
 
 
 def test_bad_shapes_and_worlds_are_refused_with_the_numbers():
-    import pytest
-
     with pytest.raises(ValueError, match="hidden 30 is not a multiple of heads 4"):
         MoEShape(hidden=30)
     with pytest.raises(ValueError, match="top_k 3 not in"):
