@@ -82,6 +82,14 @@ def test_ciera_config_keeps_library_defaults_for_unset_flags():
     assert arguments.ciera_config_from_args(parse(["--ciera-allgather"])) == CieraConfig()
 
 
+def test_ciera_per_rank_sizes_flag_reaches_the_config():
+    assert arguments.ciera_config_from_args(parse(["--ciera-allgather"])).per_rank_sizes is True
+    off = parse(["--ciera-allgather", "--ciera-per-rank-sizes", "false"])
+    assert arguments.ciera_config_from_args(off).per_rank_sizes is False
+    with pytest.raises(SystemExit):
+        parse(["--ciera-allgather", "--ciera-per-rank-sizes", "sometimes"])
+
+
 def test_ciera_tuning_flags_without_ciera_allgather_are_inert():
     args = parse(["--ciera-codec", "delta", "--ciera-warmup-iters", "2"])
     assert arguments.ciera_config_from_args(args) is None
