@@ -8,8 +8,9 @@ buffer size and codec: median time per gather of each, their ratio, and bytes re
 ``wire/raw`` (what the collectives carried) next to ``payload/raw`` (what the codec itself needed,
 summed over ranks) and their quotient (the price of the agreed sizes: equal sizes pay for the
 largest payload, per-rank sizes only for the 16-byte alignment), what equal sizes would have
-delivered (``world x`` the largest payload), the gathers sent with per-rank sizes, the payloads' bits per value, and the order-0 entropies of the same changes
-(``ciera.entropy``: ``H(d)`` and ``H(d | previous exponent)``, pooled over ranks).
+delivered (``world x`` the largest payload), the gathers sent with per-rank sizes, the payloads'
+bits per value, and the order-0 entropies of the same changes (``ciera.entropy``: ``H(d)`` and
+``H(d | previous exponent)``, pooled over ranks).
 
 ``--layout model``: every rank's shard is its part of a tiny MoE's bucket trained with AdamW
 (``ciera.model_trajectory``, sharded as the distributed optimizer shards it: one rank's shard all

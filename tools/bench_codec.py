@@ -369,7 +369,8 @@ def main(argv=None) -> int:
                                    steps=args.steps, device=device)
             parts = {"shard": snaps}
         if not args.sweep_block:
-            bits += [{"lr": lr, **r} for r in bits_rows(parts=parts, codecs=codecs, backend=args.backend, device=device)]
+            bits += [{"lr": lr, **r}
+                     for r in bits_rows(parts=parts, codecs=codecs, backend=args.backend, device=device)]
         if not args.timing:
             continue
         if args.sweep_block:
