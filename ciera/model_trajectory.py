@@ -14,7 +14,7 @@ gradients clipped at 1.0), and after each step yields every rank's (previous, ne
 flat bf16 buffer. Gradients are taken at the bf16 parameters, as in Megatron, but with fp32
 arithmetic (bf16 matrix products are slow on CPUs without bf16 units; the update statistics are
 the same). It is deterministic for a given seed and machine, and a step of the default
-shape takes about 30 ms on one CPU thread.
+shape takes about 0.1 s on one CPU thread.
 
 All parameters share one buffer here (one bucket). Megatron keeps routed experts in a buffer of
 their own; the single buffer is the more heterogeneous case, which is what per-rank sizes and the
