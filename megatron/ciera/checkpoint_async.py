@@ -60,6 +60,8 @@ def check_args(args: argparse.Namespace, err: Callable[[str], None]) -> None:
     without ``--async-save``)."""
     if not args.async_save:
         return
+    if hasattr(args, "async_strategy") and not getattr(args, "use_persistent_ckpt_worker", False):
+        return  # 0.19: saved synchronously (async_queue says so), upstream's strategy then mcore
     if _strategy(args) == "nvrx":
         have = importlib.util.find_spec("nvidia_resiliency_ext") is not None
         err("--async-strategy nvrx (upstream's default) " + (
@@ -96,7 +98,7 @@ def async_queue(args: argparse.Namespace) -> "AsyncSaves | None":
     if hasattr(args, "async_strategy") and not persistent:
         print0("WARNING: --async-save is not supported without --use-persistent-ckpt-worker (as Megatron-LM "
                "0.19): saving synchronously")
-        args.async_save = False
+        args.async_save, args.async_strategy = False, "mcore"
         return None
     # megatron-core's writer calls psutil before anything it guards: without it the writer dies,
     # and the save waits for it forever

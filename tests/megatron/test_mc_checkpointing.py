@@ -238,8 +238,17 @@ def test_checkpoint_flags_as_upstream():
     """--finetune without --load starts from scratch (as upstream); --save-retain-interval must be
     a positive multiple of --save-interval (with --save; inert without it); the async flags are
     inert without --async-save and, with it, nvrx and its CPU-shm mode are refused by name."""
+    from megatron.ciera import flag_policy
     from megatron.ciera.arguments import upstream_flags
 
+    table = {flag["dest"] for flag in upstream_flags()}
+    for dest in ("use_persistent_ckpt_worker", "async_strategy", "async_ckpt_use_cpu_shm", "save_retain_interval",
+                 "auto_detect_ckpt_format", "verify_integrity", "finetune", "async_save"):
+        if dest in table:  # the checkpoint rows of the flag table: honoured by the checkpoint feature
+            assert flag_policy.policy(dest).kind == "feature:checkpoint", dest
+    for dest in ("use_persistent_ckpt_worker", "async_strategy", "async_ckpt_use_cpu_shm"):
+        if dest in table:
+            assert flag_policy.policy(dest).needs == ("async_save",), dest
     tiny = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
             "--lr", "1e-4", "--micro-batch-size", "2", "--train-iters", "5", "--mock-data",
             "--tokenizer-type", "NullTokenizer", "--vocab-size", "255", "--use-distributed-optimizer"]
@@ -256,6 +265,7 @@ def test_checkpoint_flags_as_upstream():
     if not any(flag["dest"] == "async_strategy" for flag in upstream_flags()):
         return  # megatron-core 0.16's table: no --async-strategy, --async-ckpt-use-cpu-shm, --verify-integrity
     parse_and_validate([*tiny, "--async-strategy", "nvrx", "--async-ckpt-use-cpu-shm"], world=1)  # inert
+    parse_and_validate([*tiny, "--async-save"], world=1)  # 0.19 without the worker: saved synchronously
     with pytest.raises(ValueError, match=r"--async-strategy nvrx .*pass --async-strategy mcore"):
         parse_and_validate([*tiny, "--async-save", "--use-persistent-ckpt-worker"], world=1)  # upstream's default
     with pytest.raises(ValueError, match=r"--async-ckpt-use-cpu-shm is a mode of nvidia-resiliency-ext"):
@@ -388,7 +398,7 @@ def test_async_save_writes_the_same_checkpoints(one_rank_group, whole, tmp_path)
     synchronous run's (so a resume from it is the synchronous resume, tested above and below)."""
     result, root = whole
     ckpt = tmp_path / "ckpt"
-    asynchronous = run_pretrain(_flags(*CIERA, "--async-save", "--save", str(ckpt), "--save-interval", "3",
+    asynchronous = run_pretrain(_flags(*CIERA, *async_save_flags(), "--save", str(ckpt), "--save-interval", "3",
                                        "--eval-iters", "0"), nproc=2, timeout=300)
     assert asynchronous.returncode == 0, asynchronous.output[-4000:]
     assert "started saving checkpoint" in asynchronous.output

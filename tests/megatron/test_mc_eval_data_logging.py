@@ -37,11 +37,11 @@ def test_upstream_defaults_and_every_flag_is_honoured_or_rejected():
     assert dests == set(feature_args.HONOURED_FLAGS)  # every flag of the feature modules is honoured
     assert _parse(["--mock-data", "--async-save", "--save", "x"]).async_save
     assert _parse(["--mock-data", "--ckpt-format", "torch"]).ckpt_format == "torch"  # legacy per-rank files
+    assert _parse(["--mock-data", "--finetune"]).finetune  # without --load: from scratch, as upstream
     for flags, message in (
         (["--ckpt-format", "torch_dcp"], "--ckpt-format torch_dcp"),
         (["--ckpt-format", "torch", "--async-save", "--save", "x"], "--async-save needs --ckpt-format torch_dist"),
         (["--save-interval", "5"], "--save-interval needs --save"),
-        (["--finetune"], "--finetune needs --load"),
         (["--eval-interval", "0"], "--eval-interval 0 must be >= 1"),
         (["--wandb-project", "p"], "--wandb-project needs --wandb-exp-name"),
         (["--valid-data-path", "x"], "need --train-data-path"),
