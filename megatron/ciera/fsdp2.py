@@ -72,7 +72,9 @@ def check_args(args, err: Callable[[str], None]) -> None:
         if getattr(args, dest):
             err(f"{_option(dest)} with --use-torch-fsdp2: not supported yet (megatron-core's torch_dist state "
                 "dicts do not fit FSDP2's DTensor parameters here: the optimizer's parameter map finds none of "
-                "them, the MoE experts' shardings overlap, and the model's load_state_dict refuses them)")
+                "them, the MoE experts' shardings overlap, and the model's load_state_dict refuses them); to "
+                "checkpoint a ZeRO-3 run use --use-megatron-fsdp --use-distributed-optimizer --ckpt-format "
+                "fsdp_dtensor --data-parallel-sharding-strategy optim_grads_params")
     if not args.untie_embeddings_and_output_weights:  # upstream checks it from core 0.19 on; 0.16.1 fails later
         err("--use-torch-fsdp2 requires --untie-embeddings-and-output-weights (as Megatron-LM core 0.19 checks: "
             "tied, the output layer multiplies by the embedding unit's resharded DTensor weight)")

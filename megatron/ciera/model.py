@@ -91,11 +91,18 @@ def transformer_config(args):
     return _from_args(cls, args, **kw)
 
 
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8, "auto": None}
+"""Upstream's dtype flag values (``megatron/training/arguments.py``'s mapping)."""
+
+
 def ddp_config(args):
     from megatron.core.distributed import DistributedDataParallelConfig
 
+    # megatron-core 0.19's Megatron-FSDP dtype fields take torch dtypes; their flags give names
+    as_dtype = {f.name: _DTYPES[getattr(args, f.name)] for f in dataclasses.fields(DistributedDataParallelConfig)
+                if f.name.endswith("_dtype") and isinstance(getattr(args, f.name, None), str)}
     # Upstream's flags whose dest is not the field's name (megatron/training/training.py's mapping).
-    return _from_args(DistributedDataParallelConfig, args,
+    return _from_args(DistributedDataParallelConfig, args, **as_dtype,
                       grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
                       bucket_size=args.ddp_bucket_size,
                       average_in_collective=args.ddp_average_in_collective,
@@ -106,9 +113,8 @@ def ddp_config(args):
 def optimizer_config(args):
     from megatron.core.optimizer import OptimizerConfig
 
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8}
     names = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
-    as_dtype = {n: dtypes[getattr(args, n)] for n in names if isinstance(getattr(args, n, None), str)}
+    as_dtype = {n: _DTYPES[getattr(args, n)] for n in names if isinstance(getattr(args, n, None), str)}
     return _from_args(OptimizerConfig, args, params_dtype=args.params_dtype, timers=None, **as_dtype)
 
 

@@ -211,3 +211,46 @@ def test_fsdp2_training_is_bit_identical_with_ciera(cache):
             assert fresh == steps, f"{name}: one encode per step"
             if name:  # resharded after forward: gathered in forward and backward of each micro-batch
                 assert gathers == steps * 2 * micro, (name, gathers)
+
+
+def _load_worker(rank, world):
+    """Four steps of gathers, then every rank's shard overwritten outside a step (what a checkpoint
+    load does) and ``invalidate()``: the next gather is raw, every one exact, and two steps later
+    the gathers are compressed again. Returns the raw gathers since the load after each gather."""
+    n = 2000
+    traj = AdamTrajectory(numel=n, seed=3 + rank)
+    g = Zero3Gather(config=CieraConfig(codec="exponent_reuse", selection="always", cache="exponents"),
+                    name="unit-load")
+    ref = torch.empty(world * n, dtype=torch.bfloat16)
+
+    def gather(x):
+        out = g.allocate(numel=world * n, dtype=torch.bfloat16, device=torch.device("cpu"))
+        out.view(world, n)[rank].copy_(x)
+        g.gather(output=out, input=out.view(world, n)[rank])
+        dist.all_gather_into_tensor(ref, x)
+        assert torch.equal(as_bits(out), as_bits(ref)), f"rank {rank}: the gather differs from the plain one"
+
+    for step in range(4):
+        x = traj.step()
+        if step:
+            g.step()
+        gather(x)
+        gather(x)
+    before = g.stats.raw_gathers
+    loaded = AdamTrajectory(numel=n, seed=99 + rank).step()  # the checkpoint's values
+    g.invalidate()
+    raws = []
+    for step in range(3):
+        x = loaded if step == 0 else traj.step()
+        if step:
+            g.step()
+        for _ in range(2):
+            gather(x)
+            raws.append(g.stats.raw_gathers - before)
+    return raws
+
+
+def test_zero3_first_gather_after_invalidate_is_raw_and_exact():
+    for raws in run_on_ranks(_load_worker, world=2, args=()):
+        assert raws[0] == 1, raws  # the first gather after the load
+        assert raws[-1] == raws[-3], raws  # the last step's gathers compressed again

@@ -59,6 +59,16 @@ KNOWN_SOURCES: Mapping[str, Mapping[str, str]] = MappingProxyType({
         f"{_PGB}.ParamAndGradBuffer.copy_main_weights_to_model_weights": "dee0e048c0470883",
         f"{_MFSDP}.MegatronFSDP.start_param_sync": "486c6e6ae49bfd21",
     }),
+    # 0.19: a fourth bucket status, PRESERVED (a persistent bucket's storage kept but not ready):
+    # gathered like EMPTY (the skip is "COMMUNICATING or READY_TO_USE", as upstream's); the HSDP
+    # outer gather and start_param_sync's fsdp_all_gather_in_start_param_sync do not touch the patch
+    "0.19.2": MappingProxyType({
+        f"{_PGB}.AllGatherPipeline.async_bucket_gather": "695cc365229d2307",
+        f"{_PGB}.AllGatherPipeline.all_gather_params": "52ed470ec06aa787",
+        f"{_PGB}.AllGatherPipeline.wait_bucket_ready": "d375b70840444c79",
+        f"{_PGB}.ParamAndGradBuffer.copy_main_weights_to_model_weights": "dee0e048c0470883",
+        f"{_MFSDP}.MegatronFSDP.start_param_sync": "1863dc0a2fa33a3d",
+    }),
 })
 """megatron-core version -> {method name: source digest} for every version re-read against this module."""
 
@@ -136,7 +146,8 @@ def async_bucket_gather(self, bucket_id, bwd) -> None:
 
     bucket_key = self.get_bucket_key(bucket_id, bwd)
     self.bucket_can_be_released[bucket_key] = False
-    if self.bucket_status[bucket_key] != BucketStatus.EMPTY:
+    # (0.16 has no PRESERVED status: there this is "not EMPTY", its skip)
+    if self.bucket_status[bucket_key] in (BucketStatus.COMMUNICATING, BucketStatus.READY_TO_USE):
         return
     self.bucket_status[bucket_key] = BucketStatus.COMMUNICATING
     wbuf = self.get_fsdp_buffer(bucket_id, bwd)
