@@ -196,7 +196,8 @@ def save(args: argparse.Namespace, *, iteration: int, model, optimizer, schedule
         partial = begin(root=args.save, iteration=iteration)
         fsdp_dtensor_checkpoint.save(args, folder=partial, iteration=iteration, model=model, optimizer=optimizer,
                                      scheduler=scheduler, flops_so_far=flops_so_far)
-        publish(root=args.save, iteration=iteration)
+        publish(root=args.save, iteration=iteration, retain_interval=getattr(args, "save_retain_interval", None),
+                protect=loaded_folder(args))
         return
     state = sharded_state_dict(model, optimizer, metadata=CONTENT_METADATA, with_optimizer=not args.no_save_optim,
                                 with_rng=not args.no_save_rng, is_loading=False)
@@ -375,6 +376,7 @@ def _load_fsdp_dtensor(args, plan: _LoadPlan, *, model, optimizer, scheduler) ->
     entries = fsdp_dtensor_checkpoint.load(args, folder=plan.folder, model=model, optimizer=optimizer,
                                            scheduler=scheduler, with_optimizer=with_optimizer, with_rng=with_rng)
     iteration = 0 if args.finetune else int(entries["iteration"])
+    args.ckpt_loaded_folder = plan.folder  # kept by --save-retain-interval (loaded_folder)
     print0(f"loaded checkpoint {plan.folder} (iteration {plan.iteration}, --ckpt-format fsdp_dtensor)"
            + ("; --finetune: starting at iteration 0" if args.finetune else ""))
     return iteration
