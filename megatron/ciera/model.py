@@ -50,7 +50,8 @@ def _cpu_overrides(args) -> dict:
                 apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
                 cross_entropy_loss_fusion=False, moe_grouped_gemm=False, moe_permute_fusion=False,
                 moe_router_fusion=False, tp_comm_overlap=False, use_cpu_initialization=True,
-                fp8=None, fp8_param=False, cuda_graph_impl="none", use_transformer_engine_op_fuser=False)
+                fp8=None, fp8_param=False, cuda_graph_impl="none", use_transformer_engine_op_fuser=False,
+                overlap_moe_expert_parallel_comm=False, delay_wgrad_compute=False)
 
 
 def transformer_config(args):

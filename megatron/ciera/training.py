@@ -117,7 +117,9 @@ def _loss_func(loss_mask, output_tensor):
     return loss, num_tokens, {"lm loss": report}
 
 
-def _forward_step(data_iterator, model):
+def _forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    """One micro batch's forward; with ``return_schedule_plan`` (megatron-core's combined 1F1B schedule
+    of --overlap-moe-expert-parallel-comm, on GPU) the model's schedule plan instead, as upstream."""
     from functools import partial
 
     from megatron.core import parallel_state
@@ -131,6 +133,10 @@ def _forward_step(data_iterator, model):
         batch = batch_on_this_cp_rank(batch)
     # The attention mask only where the dataset made one (--create-attention-mask-in-dataloader, upstream's
     # default); without it the attention builds its causal mask itself.
+    if return_schedule_plan:
+        plan = model.build_schedule_plan(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                                         labels=batch["labels"], loss_mask=batch["loss_mask"])
+        return plan, partial(_loss_func, batch["loss_mask"])
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
     return output, partial(_loss_func, batch["loss_mask"])
 
