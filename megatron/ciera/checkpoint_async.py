@@ -11,9 +11,11 @@ The background writer is megatron-core's, chosen as Megatron-LM chooses it:
 * otherwise a process forked per save (``TemporalAsyncCaller``). Megatron-LM 0.19 no longer saves
   asynchronously without the persistent worker (it warns and saves synchronously): where the
   flag table is 0.19's (it has ``--async-strategy``), so does this entry point.
-* ``--async-strategy`` (0.19): ``mcore`` is megatron-core's own writer; ``nvrx`` (upstream's
-  default) needs nvidia-resiliency-ext and is refused by name (:func:`check_args`), as is
-  ``--async-ckpt-use-cpu-shm``, which only nvrx's writer has.
+* ``--async-strategy`` (0.19): ``mcore`` is megatron-core's own writer. ``nvrx`` (upstream's
+  default) is nvidia-resiliency-ext's writer of the same ``torch_dist`` files, and
+  ``--async-ckpt-use-cpu-shm`` a staging mode of it: this entry point writes with ``mcore``
+  either way (the publication below is built on megatron-core's queue), so the checkpoint's files
+  and values are those upstream writes, and the start-up log says which writer runs.
 
 What megatron-core leaves out, done here (:class:`AsyncSaves`):
 
@@ -62,15 +64,11 @@ def check_args(args: argparse.Namespace, err: Callable[[str], None]) -> None:
         return
     if hasattr(args, "async_strategy") and not getattr(args, "use_persistent_ckpt_worker", False):
         return  # 0.19: saved synchronously (async_queue says so), upstream's strategy then mcore
-    if _strategy(args) == "nvrx":
-        have = importlib.util.find_spec("nvidia_resiliency_ext") is not None
-        err("--async-strategy nvrx (upstream's default) " + (
-            "is nvidia-resiliency-ext's writer, which this entry point's publication (every rank's write "
-            "finished before the tracker moves) is not built on" if have else
-            "needs nvidia-resiliency-ext, which is not installed") + ": pass --async-strategy mcore")
-    if getattr(args, "async_ckpt_use_cpu_shm", False):
-        err("--async-ckpt-use-cpu-shm is a mode of nvidia-resiliency-ext's writer (--async-strategy nvrx); "
-            "megatron-core's own writer (mcore) has no such mode")
+    # nvrx and its CPU-shm staging write the same files as mcore: written with mcore (async_queue
+    # says so at start-up); the requested writer is kept for that line.
+    if _strategy(args) == "nvrx" or getattr(args, "async_ckpt_use_cpu_shm", False):
+        args.async_writer_requested = "nvrx" + (" with --async-ckpt-use-cpu-shm" if args.async_ckpt_use_cpu_shm else "")
+        args.async_strategy, args.async_ckpt_use_cpu_shm = "mcore", False
 
 
 def save_kwargs(args: argparse.Namespace | None, *, asynchronous: bool) -> dict:
@@ -105,6 +103,9 @@ def async_queue(args: argparse.Namespace) -> "AsyncSaves | None":
     if importlib.util.find_spec("psutil") is None:
         raise SystemExit("--async-save needs psutil (megatron-core's background checkpoint writer uses it): "
                          "pip install psutil, or save without --async-save")
+    if getattr(args, "async_writer_requested", None):
+        print0(f"--async-save: --async-strategy {args.async_writer_requested} written by megatron-core's own writer "
+               "(mcore): the same torch_dist files")
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
     queue = AsyncCallsQueue(persistent=persistent)

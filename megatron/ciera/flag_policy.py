@@ -200,8 +200,9 @@ _CHECKPOINT_HONOURED = {
                                           "schedule wins (default: the command line's must match it)",
     "use_persistent_ckpt_worker": "megatron-core's persistent checkpoint worker (AsyncCallsQueue(persistent=True)); "
                                   "megatron-core 0.19, as Megatron-LM 0.19, saves synchronously without it",
-    "async_strategy": "mcore: megatron-core's writer; nvrx (nvidia-resiliency-ext's) refused by name",
-    "async_ckpt_use_cpu_shm": "a mode of nvrx's writer only: refused by name under --async-save",
+    "async_strategy": "mcore: megatron-core's writer; nvrx (nvidia-resiliency-ext's writer of the same "
+                      "torch_dist files) is written by mcore, said at start-up",
+    "async_ckpt_use_cpu_shm": "a staging mode of nvrx's writer (same files): written by mcore, said at start-up",
     "async_ckpt_cpu_priority": "the persistent worker's nice value (megatron-core's warm-up)",
     "async_ckpt_io_priority": "the persistent worker's I/O class (megatron-core's warm-up)",
     "save_retain_interval": "after each save the previous latest checkpoint is removed unless its iteration is a "

@@ -55,8 +55,8 @@ def check_args(args, err: Callable[[str], None]) -> None:
     if args.pipeline_model_parallel_size != 1:
         err("--use-megatron-fsdp with pipeline parallelism: not supported by this entry point")
     if args.async_save and args.ckpt_format == "fsdp_dtensor":
-        err("--async-save with --ckpt-format fsdp_dtensor: not supported (as in Megatron-LM: only torch_dist "
-            "checkpoints are saved asynchronously); save without --async-save")
+        err("--async-save with --ckpt-format fsdp_dtensor: not implemented by this entry point (Megatron-LM 0.16 "
+            "refuses it too; 0.19 writes it through torch DCP's asynchronous planner); save without --async-save")
     if args.ciera_allgather and getattr(args, "fp8_param_gather", False):
         err("--ciera-allgather with --use-megatron-fsdp and --fp8-param-gather: not supported")
     if args.ciera_allgather:

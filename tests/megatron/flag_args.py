@@ -19,7 +19,7 @@ def parse_and_validate(argv: list[str], *, world: int, **validate_kw):
 def async_save_flags(*, persistent: bool = True) -> list[str]:
     """``--async-save`` as the installed megatron-core's Megatron-LM runs it: with the persistent
     worker (0.19 saves synchronously without it), and on 0.19 megatron-core's own writer
-    (``--async-strategy mcore``: upstream's default, nvrx, needs nvidia-resiliency-ext)."""
+    (``--async-strategy mcore``, which upstream's default, nvrx, also runs here)."""
     has_strategy = any(flag["dest"] == "async_strategy" for flag in arguments.upstream_flags())
     return ["--async-save", *(["--use-persistent-ckpt-worker"] if persistent else []),
             *(["--async-strategy", "mcore"] if has_strategy else [])]

@@ -237,7 +237,8 @@ def test_save_retain_interval_removes_the_previous_latest_unless_kept(one_rank_g
 def test_checkpoint_flags_as_upstream():
     """--finetune without --load starts from scratch (as upstream); --save-retain-interval must be
     a positive multiple of --save-interval (with --save; inert without it); the async flags are
-    inert without --async-save and, with it, nvrx and its CPU-shm mode are refused by name."""
+    inert without --async-save and, with it, nvrx and its CPU-shm mode are written by megatron-core's
+    own writer (the same files)."""
     from megatron.ciera import flag_policy
     from megatron.ciera.arguments import upstream_flags
 
@@ -266,10 +267,11 @@ def test_checkpoint_flags_as_upstream():
         return  # megatron-core 0.16's table: no --async-strategy, --async-ckpt-use-cpu-shm, --verify-integrity
     parse_and_validate([*tiny, "--async-strategy", "nvrx", "--async-ckpt-use-cpu-shm"], world=1)  # inert
     parse_and_validate([*tiny, "--async-save"], world=1)  # 0.19 without the worker: saved synchronously
-    with pytest.raises(ValueError, match=r"--async-strategy nvrx .*pass --async-strategy mcore"):
-        parse_and_validate([*tiny, "--async-save", "--use-persistent-ckpt-worker"], world=1)  # upstream's default
-    with pytest.raises(ValueError, match=r"--async-ckpt-use-cpu-shm is a mode of nvidia-resiliency-ext"):
-        parse_and_validate([*tiny, *async_save_flags(), "--async-ckpt-use-cpu-shm"], world=1)
+    # upstream's default strategy (nvrx) and its CPU-shm staging: accepted, written by mcore
+    args = parse_and_validate([*tiny, "--async-save", "--use-persistent-ckpt-worker", "--async-ckpt-use-cpu-shm"],
+                              world=1)
+    assert (args.async_strategy, args.async_ckpt_use_cpu_shm) == ("mcore", False)
+    assert args.async_writer_requested == "nvrx with --async-ckpt-use-cpu-shm"
     with pytest.raises(ValueError, match=r"--verify-integrity .*--ckpt-format torch has no such manifest"):
         parse_and_validate([*tiny, "--save", "x", "--ckpt-format", "torch", "--verify-integrity"], world=1)
 

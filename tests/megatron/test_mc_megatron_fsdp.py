@@ -176,7 +176,7 @@ def test_megatron_fsdp_flags_accepted():
     ([*strategy("optim")], "--ckpt-format torch_dist: Megatron FSDP only supports the fsdp_dtensor"),
     (["--ckpt-format", "fsdp_dtensor", *strategy("no_shard")], "--data-parallel-sharding-strategy no_shard"),
     (["--ckpt-format", "fsdp_dtensor", *strategy("optim"), "--save", "/tmp/x", "--async-save"],
-     "--async-save with --ckpt-format fsdp_dtensor: not supported"),
+     "--async-save with --ckpt-format fsdp_dtensor: not implemented by this entry point"),
     (["--ckpt-format", "fsdp_dtensor", *strategy("optim_grads_params"),
       "--check-weight-hash-across-dp-replicas-interval", "2"], "--check-weight-hash-across-dp-replicas-interval"),
 ])
