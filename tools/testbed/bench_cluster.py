@@ -53,6 +53,9 @@ TRAIN_MODES = {
                              "--ciera-per-rank-sizes", "false"],
     "delta-equal": ["--ciera-allgather", "--ciera-selection", "always", "--ciera-codec", "delta",
                     "--ciera-per-rank-sizes", "false"],
+    "delta_ans": ["--ciera-allgather", "--ciera-selection", "always", "--ciera-codec", "delta_ans"],
+    "delta_ans-equal": ["--ciera-allgather", "--ciera-selection", "always", "--ciera-codec", "delta_ans",
+                        "--ciera-per-rank-sizes", "false"],
 }
 DEFAULT_TRAIN_MODES = ("baseline", "auto", "exponent_reuse", "delta")
 SHA = re.compile(r"^params sha256: ([0-9a-f]{64})$", re.M)
