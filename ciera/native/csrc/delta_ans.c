@@ -72,16 +72,19 @@ HOT static void dans_hist_range(const ciera_dans_layout *l, const void *shard, c
     else dans_hist_range_fmt(32, 23, 8, l->n_symbols, shard, state, lo, hi, hist);
 }
 
-/* A table as the encoder uses it: frequency, cumulative frequency and 1 / frequency (double). */
+/* A table as the encoder uses it: frequency, cumulative frequency and the division's magic. */
 typedef struct {
     uint32_t freq[DANS_MAX_SYMBOLS], cum[DANS_MAX_SYMBOLS];
-    double rcp[DANS_MAX_SYMBOLS];
+    uint64_t magic[DANS_MAX_SYMBOLS];
 } dans_table;
 
-/* floor(x / f) for x < 2^32, f <= 2^12, from rcp = 1.0 / f: x / f lies at least 2^-12 below the
- * next integer and x * rcp is within 2^-32 of it, so the 2^-24 nudge lands every exact quotient on
- * its integer and no other past the next. No integer division (tens of cycles) per value. */
-ALWAYS_INLINE uint32_t dans_div(uint32_t x, double rcp) { return (uint32_t)((double)x * rcp + 0x1p-24); }
+/* floor(x / f) for x < 2^32, 1 <= f <= 2^12, as (x * magic) >> 63 with magic = floor(2^63 / f) + 1
+ * (f = 1: 2^63 + 1): the product overshoots x / f by less than x / 2^63 < 2^-31, and x / f lies at
+ * least 1 / f >= 2^-12 below the next integer. One multiply instead of a division (tens of cycles). */
+static uint64_t dans_magic(uint32_t f) { return f ? ((uint64_t)1 << 63) / f + 1 : 0; }
+ALWAYS_INLINE uint32_t dans_div(uint32_t x, uint64_t magic) {
+    return (uint32_t)(((unsigned __int128)x * magic) >> 63);
+}
 
 /* Pushes nb (0..16) raw bits: a word out first when the shifted state would pass 2^32. The word is
  * stored whether or not it is kept (the buffer has a word of slack); no branch. */
@@ -108,26 +111,34 @@ ALWAYS_INLINE void dans_encode_block_fmt(const int W, const int M, const int E, 
     for (int64_t t = steps - 1; t >= 0; t--) {
         const int lanes = (int)min64(DANS_LANES, nv - t * DANS_LANES);
         const int64_t i0 = base + t * DANS_LANES;
+        /* The step's symbols first, in a loop over consecutive values the compiler vectorises. */
+        int symv[DANS_LANES], kv[DANS_LANES], tabv[DANS_LANES];
+        uint32_t lowv[DANS_LANES];
         for (int j = 0; j < lanes; j++) {
             const uint32_t uo = load_u(state, i0 + j, W), d = (load_u(shard, i0 + j, W) - uo) & mask;
             const uint32_t z = ((d << 1) ^ (0u - (d >> (W - 1)))) & mask;
-            const int ctx = (int)((uo >> M) & ((1u << E) - 1));
             const int bl = z ? 32 - __builtin_clz(z) : 0;
             const int direct = z < DANS_DIRECT;
-            const int sym = direct ? (int)z : bl + DANS_DIRECT - 5, k = direct ? 0 : bl - 1;
-            const uint32_t low = z & (uint32_t)lowmask64(k);
+            symv[j] = direct ? (int)z : bl + DANS_DIRECT - 5;
+            kv[j] = direct ? 0 : bl - 1;
+            lowv[j] = direct ? 0 : z & ((1u << (bl - 1)) - 1);
+            tabv[j] = tab_of[(uo >> M) & ((1u << E) - 1)];
+        }
+        for (int j = 0; j < lanes; j++) {
+            const int sym = symv[j], k = kv[j];
+            const uint32_t low = lowv[j];
             uint16_t *restrict w = words + j * mw;
             uint32_t xj = x[j];
             int c = cnt[j];
             if (W == 32) xj = dans_put_bits(xj, low >> 16, k > 16 ? k - 16 : 0, w, &c);
             xj = dans_put_bits(xj, low & 0xFFFF, k < 16 ? k : 16, w, &c);
-            const dans_table *tb = &tabs[tab_of[ctx]];
+            const dans_table *tb = &tabs[tabv[j]];
             const uint32_t f = tb->freq[sym];
             const int renorm = (uint64_t)xj >= ((uint64_t)f << (32 - DANS_P));
             w[c] = (uint16_t)xj;
             cnt[j] = c + renorm;
             xj = renorm ? xj >> 16 : xj;
-            const uint32_t q = dans_div(xj, tb->rcp[sym]);
+            const uint32_t q = dans_div(xj, tb->magic[sym]);
             x[j] = (q << DANS_P) + (xj - q * f) + tb->cum[sym];
         }
     }
@@ -191,7 +202,7 @@ int64_t ciera_dans_encode(const ciera_dans_layout *l, const void *shard, void *s
         }
         tb->freq[top] = (uint32_t)((int64_t)tb->freq[top] + DANS_M - sum);
         uint32_t c = 0;
-        for (int64_t s = 0; s < A; s++) tb->cum[s] = c, c += tb->freq[s], tb->rcp[s] = tb->freq[s] ? 1.0 / tb->freq[s] : 0.0;
+        for (int64_t s = 0; s < A; s++) tb->cum[s] = c, c += tb->freq[s], tb->magic[s] = dans_magic(tb->freq[s]);
     }
     /* 3. blocks: streams staged in the block's raw area when they fit there. */
     const size_t scratch = (size_t)(DANS_LANES * DANS_STRIDE(l->max_words)) * sizeof(uint16_t);
