@@ -604,6 +604,11 @@ def _check_model(args, err) -> None:
             err("--num-experts with biased linears under --transformer-impl local (the CPU path): "
                 "megatron-core's local experts fail in their first forward with a bias; give "
                 "--disable-bias-linear, or run with transformer-engine")
+    if args.multi_latent_attention and args.transformer_impl == "local":
+        # MLA builds its core attention with k_channels / v_channels, which only transformer-engine's
+        # attention takes (megatron-core's local DotProductAttention has neither, 0.16 and 0.19)
+        err("--multi-latent-attention needs transformer-engine's attention: megatron-core's local attention "
+            "(--transformer-impl local, the CPU path) takes no separate key/value head sizes")
     for name in ("moe_aux_loss_coeff", "moe_router_load_balancing_type"):  # nargs='+': one value is a scalar
         value = getattr(args, name)
         if isinstance(value, list) and len(value) == 1:

@@ -128,6 +128,7 @@ def test_ciera_tuning_flags_without_ciera_allgather_are_inert():
     (["--save-interval", "5"], 1, "--save-interval needs --save"),
     (["--num-experts", "4", "--moe-token-dispatcher-type", "alltoall"], 1,
      "--num-experts with biased linears under --transformer-impl local (the CPU path)"),
+    (["--multi-latent-attention"], 1, "--multi-latent-attention needs transformer-engine's attention"),
 ])
 def test_errors_name_the_flags_and_numbers(extra, world, needle):
     assert needle in error(extra, world)
