@@ -10,7 +10,7 @@ import dataclasses
 import hashlib
 from dataclasses import dataclass
 
-CODECS = ("raw", "exponent_reuse", "delta", "auto")
+CODECS = ("raw", "exponent_reuse", "delta", "delta_ans", "auto")
 CACHES = ("exponents", "values", "none")
 SELECTIONS = ("auto", "always", "never")
 
@@ -20,8 +20,9 @@ class CieraConfig:
     """How one bucket's parameter all-gather is compressed. Defaults suit bf16 MoE training."""
 
     codec: str = "auto"
-    """Codec for compressed gathers: ``raw``, ``exponent_reuse``, ``delta``, or ``auto`` (the cost
-    model picks per bucket among the concrete codecs from measured speeds and payload sizes).
+    """Codec for compressed gathers: ``raw``, ``exponent_reuse``, ``delta``, ``delta_ans`` (delta's
+    changes entropy-coded: fewest bytes, slowest), or ``auto`` (the cost model picks per bucket
+    among the concrete codecs from measured speeds and payload sizes).
     ``raw`` never compresses: every gather is a plain ``all_gather_into_tensor``."""
 
     block_size: int = 8

@@ -60,7 +60,7 @@ from .stats import GatherStats, SectionTimer
 logger = logging.getLogger(__name__)
 
 _DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(FORMATS)}
-_CONCRETE_CODECS = ("exponent_reuse", "delta")
+_CONCRETE_CODECS = ("exponent_reuse", "delta", "delta_ans")
 
 
 class CieraVerifyError(RuntimeError):
@@ -423,7 +423,8 @@ class CieraAllGather:
         return [cfg.codec]
 
     def _make_codec(self, name: str) -> Codec:
-        block = self.config.delta_block_size if name == "delta" else self.config.block_size
+        # delta_ans takes its own default block (32 streams of 1024 values; no config field yet).
+        block = {"delta": self.config.delta_block_size, "delta_ans": None}.get(name, self.config.block_size)
         return make_codec(name, dtype=self.buffer.dtype, numel=self.shard_numel, block_size=block)
 
     def _check_agreement(self) -> None:

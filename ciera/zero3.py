@@ -65,8 +65,8 @@ class Zero3Gather:
     def __init__(self, *, group=None, config: CieraConfig | None = None, name: str = "zero3",
                  stepped: bool = True, measurements: Measurements | None = None):
         self.config = CieraConfig() if config is None else config
-        if self.config.cache == "exponents" and self.config.codec == "delta":
-            raise ValueError(f"{name}: codec='delta' adds to the previous values, so it needs cache='values'; "
+        if self.config.cache == "exponents" and self.config.codec in ("delta", "delta_ans"):
+            raise ValueError(f"{name}: codec={self.config.codec!r} adds to the previous values, so it needs cache='values'; "
                              f"cache='exponents' keeps one byte per value, which only exponent_reuse decodes against")
         self.group, self.name, self.stepped = group, name, stepped
         self._measurements = measurements

@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
             _add_upstream(g, dict(flag, options=options))
 
     from ciera.agreement import UNEVEN_MIN_SAVING
-    from ciera.config import CieraConfig  # the library's defaults, quoted in the help below
+    from ciera.config import CODECS, CieraConfig  # the library's defaults and choices, quoted in the help below
 
     d = CieraConfig()
     g = p.add_argument_group(
@@ -183,9 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gather parameters with CIERA's lossless compressed all-gather (default: off, "
                         "Megatron's gather). Needs --use-distributed-optimizer. Use it where the "
                         "parameter all-gather is communication-bound (slow links, MoE experts)")
-    g.add_argument("--ciera-codec", choices=["raw", "exponent_reuse", "delta", "auto"], default=None,
+    g.add_argument("--ciera-codec", choices=list(CODECS), default=None,
                    help=f"codec of compressed gathers (default {d.codec}: the cost model picks per bucket). "
-                        "delta sends fewest bytes; exponent_reuse encodes fastest (at most 2x on bf16); "
+                        "delta_ans sends fewest bytes (entropy-coded delta, slowest), delta nearly as few; "
+                        "exponent_reuse encodes fastest (at most 2x on bf16); "
                         "raw never compresses")
     g.add_argument("--ciera-block-size", type=int, default=None, metavar="N",
                    help=f"values per exponent_reuse block, a power of two in [1, 4096] (default {d.block_size}). "

@@ -284,7 +284,7 @@ int64_t ciera_dans_encode(const ciera_dans_layout *l, const void *shard, void *s
 
 /* Decode tables: slot -> symbol, and each symbol's frequency and cumulative frequency. */
 typedef struct {
-    uint8_t sym[DANS_M];
+    uint32_t slot[DANS_M]; /* the slot's symbol | frequency << 6 | (slot - cumulative) << 19: one load */
     uint32_t freq[DANS_MAX_SYMBOLS], cum[DANS_MAX_SYMBOLS];
 } dans_dtable;
 
@@ -317,16 +317,21 @@ ALWAYS_INLINE int dans_decode_block_fmt(const int W, const int M, const int E, c
     for (int64_t t = 0; t < steps; t++) {
         const int lanes = (int)min64(DANS_LANES, nv - t * DANS_LANES);
         const int64_t i0 = base + t * DANS_LANES;
+        /* The step's contexts first, in a loop over consecutive values the compiler vectorises. */
+        int tabv[DANS_LANES], missing = 0;
+        uint32_t zv[DANS_LANES];
         for (int j = 0; j < lanes; j++) {
-            const uint32_t uo = load_u(target, i0 + j, W);
-            const int tab = tab_of[(uo >> M) & ((1u << E) - 1)];
-            if (tab < 0) return CIERA_E_NO_TABLE;
-            const dans_dtable *tb = &tabs[tab];
+            tabv[j] = tab_of[(load_u(target, i0 + j, W) >> M) & ((1u << E) - 1)];
+            missing |= tabv[j] < 0;
+        }
+        if (missing) return CIERA_E_NO_TABLE;
+        for (int j = 0; j < lanes; j++) {
+            const dans_dtable *tb = &tabs[tabv[j]];
             uint32_t xj = x[j];
             int64_t a = at[j];
-            const uint32_t slot = xj & (DANS_M - 1);
-            const int s = tb->sym[slot];
-            xj = tb->freq[s] * (xj >> DANS_P) + slot - tb->cum[s];
+            const uint32_t e = tb->slot[xj & (DANS_M - 1)];
+            const int s = (int)(e & 63);
+            xj = ((e >> 6) & 0x1FFF) * (xj >> DANS_P) + (e >> 19);
             xj = dans_refill(xj, 1, payload, &a, end[j], &bad);
             const int k = s >= DANS_DIRECT ? s - (DANS_DIRECT - 4) : 0, lo_n = k < 16 ? k : 16;
             const uint32_t lo = xj & ((1u << lo_n) - 1);
@@ -341,7 +346,11 @@ ALWAYS_INLINE int dans_decode_block_fmt(const int W, const int M, const int E, c
             }
             const uint32_t z = s < DANS_DIRECT ? (uint32_t)s : (1u << k) | (hi << 16) | lo;
             x[j] = xj, at[j] = a;
-            store_u(target, i0 + j, (uo + ((z >> 1) ^ (0u - (z & 1)))) & mask, W);
+            zv[j] = z;
+        }
+        for (int j = 0; j < lanes; j++) {
+            const uint32_t z = zv[j];
+            store_u(target, i0 + j, (load_u(target, i0 + j, W) + ((z >> 1) ^ (0u - (z & 1)))) & mask, W);
         }
         if (bad) return CIERA_E_STREAM;
     }
@@ -393,7 +402,10 @@ int ciera_dans_decode(const ciera_dans_layout *l, const uint8_t *payload, int64_
             rc = CIERA_E_FREQ;
             break;
         }
-        for (int64_t s = 0; s < A; s++) memset(tb->sym + tb->cum[s], (int)s, tb->freq[s]);
+        for (int64_t s = 0; s < A; s++) {
+            const uint32_t head = (uint32_t)s | tb->freq[s] << 6, c0 = tb->cum[s];
+            for (uint32_t q = 0; q < tb->freq[s]; q++) tb->slot[c0 + q] = head | q << 19;
+        }
     }
     int64_t pos = off_d;
     for (int64_t b = 0; b < nb && rc == CIERA_OK; b++) {
