@@ -8,6 +8,8 @@ from flag_args import TINY_FLAGS, parse_and_validate
 from megatron.ciera import arguments
 
 BASE = [*TINY_FLAGS, "--use-distributed-optimizer"]
+_HAS_STEP_SCHEDULE = any(flag["dest"] == "step_batch_size_schedule" for flag in arguments.upstream_flags())
+"""megatron-core 0.19's flag table: its batch ramp is --step-batch-size-schedule, --rampup-batch-size refused."""
 
 
 def parse(extra, world=1, argv_base=BASE, **kw):
@@ -108,7 +110,9 @@ def test_ciera_tuning_flags_without_ciera_allgather_are_inert():
     (["--micro-batch-size", "0"], 1, "--micro-batch-size 0 must be >= 1"),
     (["--global-batch-size", "-4"], 1, "--global-batch-size -4 must be >= 1"),
     (["--global-batch-size", "0"], 1, "--global-batch-size 0 must be >= 1"),
-    (["--rampup-batch-size", "16", "16", "100"], 1, "--rampup-batch-size needs --train-samples"),
+    (["--rampup-batch-size", "16", "16", "100"], 1,
+     "--rampup-batch-size: megatron-core 0.19 ignores it" if _HAS_STEP_SCHEDULE
+     else "--rampup-batch-size needs --train-samples"),
     (["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"], 1,
      "--use-torch-fsdp2 is not supported with MCore's distributed optimizer"),
     (["--use-megatron-fsdp"], 1, "--use-megatron-fsdp with --ckpt-format torch_dist: Megatron FSDP only supports"),
