@@ -58,8 +58,10 @@ def _strategy(args) -> str:
 
 
 def check_args(args: argparse.Namespace, err: Callable[[str], None]) -> None:
-    """Report the ``--async-*`` combinations this entry point cannot honour (inert, as upstream,
-    without ``--async-save``)."""
+    """Settle the ``--async-*`` flags under ``--async-save`` (inert without it, as upstream): nvrx
+    and its CPU-shm staging become megatron-core's own writer (``args`` is updated; the requested
+    writer is kept in ``args.async_writer_requested`` for the start-up line). ``err`` is for
+    combinations this entry point cannot honour (none today)."""
     if not args.async_save:
         return
     if hasattr(args, "async_strategy") and not getattr(args, "use_persistent_ckpt_worker", False):
