@@ -68,26 +68,38 @@ GROUP = 64
 """Most values in one byte-aligned bit stream."""
 
 @dataclass(frozen=True)
-class DeltaLayout:
-    """Byte offsets, record sizes and the group structure of a delta payload for one shard shape."""
+class DeltaShapeLayout:
+    """What ``delta`` and ``delta_ans`` payloads share for one shard shape: values of one format
+    coded as zigzagged differences of whole bit patterns, in the context of each previous value's
+    exponent, in blocks of ``block_size`` values (a trailing block may be partial)."""
 
     fmt: FloatFormat
+    """Float format of the shard's values."""
     numel: int
+    """Values of the shard."""
     block_size: int
+    """``B``: values per block, the unit of the raw escape."""
 
     @property
     def width(self) -> int:
-        """``W``: bits of one value's pattern, the widest a value is ever packed."""
+        """``W``: bits of one value's pattern, the widest difference ``z`` a value can need."""
         return self.fmt.total_bits
 
     @property
     def n_classes(self) -> int:
-        """Entries of the width table: one per exponent field value."""
+        """Contexts: one per exponent field value of the previous value (width tables in ``delta``,
+        frequency tables in ``delta_ans``)."""
         return 1 << self.fmt.exp_bits
 
     @property
     def n_blocks(self) -> int:
+        """Blocks of the shard, the last one possibly partial."""
         return -(-self.numel // self.block_size)
+
+
+@dataclass(frozen=True)
+class DeltaLayout(DeltaShapeLayout):
+    """Byte offsets, record sizes and the group structure of a delta payload for one shard shape."""
 
     @property
     def group_size(self) -> int:

@@ -73,8 +73,8 @@ from dataclasses import dataclass
 import torch
 
 from .base import HEADER_BYTES, Codec, align_up, decode_many_loop
-from .delta import bit_length, exponent_of, unzigzag_add, zigzag
-from .formats import FloatFormat, as_bits, from_unsigned, to_unsigned
+from .delta import DeltaShapeLayout, bit_length, exponent_of, unzigzag_add, zigzag
+from .formats import as_bits, from_unsigned, to_unsigned
 from .registry import register_codec
 
 LANES = 32
@@ -90,17 +90,8 @@ RAW_MARK = 0xFFFF
 
 
 @dataclass(frozen=True)
-class DeltaAnsLayout:
+class DeltaAnsLayout(DeltaShapeLayout):
     """Sections, stream structure and alphabet of a delta_ans payload for one shard shape."""
-
-    fmt: FloatFormat
-    numel: int
-    block_size: int
-
-    @property
-    def width(self) -> int:
-        """``W``: bits of one value's pattern."""
-        return self.fmt.total_bits
 
     @property
     def lanes(self) -> int:
@@ -112,17 +103,8 @@ class DeltaAnsLayout:
         return self.block_size // LANES
 
     @property
-    def n_blocks(self) -> int:
-        return -(-self.numel // self.block_size)
-
-    @property
     def n_streams(self) -> int:
         return self.n_blocks * LANES
-
-    @property
-    def n_classes(self) -> int:
-        """Contexts: one per previous exponent value."""
-        return 1 << self.fmt.exp_bits
 
     @property
     def n_symbols(self) -> int:
