@@ -8,6 +8,7 @@ import importlib.machinery
 import logging
 import os
 from pathlib import Path
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -231,3 +232,66 @@ class Direct:
             return False
         raise_for(self._name, rc)
         return True
+
+
+class Twin(NamedTuple):
+    """One codec's native wrappers, each with the signature of its reference (see :func:`twin`)."""
+
+    c_layout: Callable[[Any], ctypes.Structure]
+    """``layout`` -> the library's struct for it (cached; see :func:`c_layout`)."""
+    encode_native: Callable[..., int]
+    """``encode_native(*, layout, shard_bits, state, out)``: bytes needed."""
+    decode_native: Callable[..., None]
+    """``decode_native(*, layout, payload, target_bits)``."""
+    decode_many_native: Callable[..., None]
+    """``decode_many_native(*, layout, payloads, rows, offsets, targets_bits)``."""
+    direct: Callable[[Any], Direct]
+    """``direct(codec)``: the codec's one-call encode and decode (:class:`Direct`)."""
+
+
+def twin(*, codec_type: type, symbol: str, state_dtype: torch.dtype | None = None) -> Twin:
+    """The native wrappers of codec class ``codec_type`` (its ``name`` and ``codec_id``), calling the
+    library's ``ciera_<symbol>_encode`` / ``ciera_<symbol>_decode``. ``state_dtype``: the dtype of the
+    sender state (one per value); ``None`` when the state is the previous bit patterns."""
+    name, codec_id = codec_type.name, codec_type.codec_id
+    encode_symbol, decode_symbol = f"ciera_{symbol}_encode", f"ciera_{symbol}_decode"
+
+    @functools.lru_cache(maxsize=256)
+    def c_layout_of(layout) -> ctypes.Structure:
+        return c_layout(codec_id=codec_id, name=name, layout=layout)
+
+    def encode_native(*, layout, shard_bits: torch.Tensor, state: torch.Tensor, out: torch.Tensor) -> int:
+        """Writes the payload's sections (not the header; what a payload past the capacity holds is as
+        with ``encode_reference``), updates ``state`` and returns the bytes needed."""
+        n, bits = layout.numel, layout.fmt.bits_dtype
+        check(name, "shard_bits", shard_bits, bits, n)
+        check(name, "state", state, bits if state_dtype is None else state_dtype, n)
+        check(name, "out", out, torch.uint8)
+        needed = getattr(library(), encode_symbol)(ctypes.addressof(c_layout_of(layout)), shard_bits.data_ptr(),
+                                                   state.data_ptr(), out.data_ptr(), out.numel(), threads())
+        raise_for(name, needed)
+        return int(needed)
+
+    def decode_native(*, layout, payload: torch.Tensor, target_bits: torch.Tensor) -> None:
+        """``target_bits`` (previous values) becomes the encoded shard, as with ``decode_reference``."""
+        check(name, "payload", payload, torch.uint8)
+        check(name, "target_bits", target_bits, layout.fmt.bits_dtype, layout.numel)
+        rc = getattr(library(), decode_symbol)(ctypes.addressof(c_layout_of(layout)), payload.data_ptr(),
+                                               payload.numel(), target_bits.data_ptr(), threads())
+        raise_for(name, rc)
+
+    def decode_many_native(*, layout, payloads: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor,
+                           targets_bits: torch.Tensor) -> None:
+        """Decode the payload at ``offsets[i]`` into row ``rows[i]`` of ``targets_bits`` for every i; each
+        payload's length is the needed bytes in its header (checked, with the codec id and overflow flag)."""
+        decode_many(name=name, codec_id=codec_id, clayout=c_layout_of(layout), bits_dtype=layout.fmt.bits_dtype,
+                    numel=layout.numel, payloads=payloads, rows=rows, offsets=offsets, targets_bits=targets_bits)
+
+    def direct(codec) -> Direct:
+        """``codec``'s encode and decode in one C call each (see :class:`Direct`)."""
+        layout = codec.layout
+        return Direct(codec_id=codec_id, clayout=c_layout_of(layout), numel=layout.numel, dtype=codec.dtype,
+                      state_dtype=layout.fmt.bits_dtype if state_dtype is None else state_dtype,
+                      fixed_bytes=codec.fixed_bytes, name=name)
+
+    return Twin(c_layout_of, encode_native, decode_native, decode_many_native, direct)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -12,24 +11,7 @@ from . import _lib
 
 NAME = DeltaCodec.name
 
-
-@functools.lru_cache(maxsize=256)
-def _c_layout(layout: DeltaLayout):
-    """``layout`` as the library's ``ciera_delta_layout`` (its fields read from the library)."""
-    return _lib.c_layout(codec_id=DeltaCodec.codec_id, name=NAME, layout=layout)
-
-
-def encode_native(*, layout: DeltaLayout, shard_bits: torch.Tensor, state: torch.Tensor, out: torch.Tensor) -> int:
-    """Writes the payload's sections (not the header; blocks past the capacity are skipped) as
-    ``encode_reference`` does, updates ``state`` and returns the bytes needed."""
-    n, bits = layout.numel, layout.fmt.bits_dtype
-    _lib.check(NAME, "shard_bits", shard_bits, bits, n)
-    _lib.check(NAME, "state", state, bits, n)
-    _lib.check(NAME, "out", out, torch.uint8)
-    needed = _lib.library().ciera_delta_encode(ctypes.addressof(_c_layout(layout)), shard_bits.data_ptr(),
-                                               state.data_ptr(), out.data_ptr(), out.numel(), _lib.threads())
-    _lib.raise_for(NAME, needed)
-    return int(needed)
+_c_layout, encode_native, decode_native, decode_many_native, direct = _lib.twin(codec_type=DeltaCodec, symbol="delta")
 
 
 def histogram_native(*, layout: DeltaLayout, shard_bits: torch.Tensor, state: torch.Tensor, lo: int = 0,
@@ -43,28 +25,3 @@ def histogram_native(*, layout: DeltaLayout, shard_bits: torch.Tensor, state: to
                                               state.data_ptr(), lo, n if hi is None else hi, hist.data_ptr())
     _lib.raise_for(NAME, rc)
     return hist
-
-
-def decode_native(*, layout: DeltaLayout, payload: torch.Tensor, target_bits: torch.Tensor) -> None:
-    """``target_bits`` (previous values) becomes the encoded shard, as with ``decode_reference``."""
-    _lib.check(NAME, "payload", payload, torch.uint8)
-    _lib.check(NAME, "target_bits", target_bits, layout.fmt.bits_dtype, layout.numel)
-    rc = _lib.library().ciera_delta_decode(ctypes.addressof(_c_layout(layout)), payload.data_ptr(),
-                                           payload.numel(), target_bits.data_ptr(), _lib.threads())
-    _lib.raise_for(NAME, rc)
-
-
-def decode_many_native(*, layout: DeltaLayout, payloads: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor,
-                       targets_bits: torch.Tensor) -> None:
-    """Decode the payload at ``offsets[i]`` into row ``rows[i]`` of ``targets_bits`` for every i; each
-    payload's length is the needed bytes in its header (checked, with the codec id and overflow flag)."""
-    _lib.decode_many(name=NAME, codec_id=DeltaCodec.codec_id, clayout=_c_layout(layout),
-                     bits_dtype=layout.fmt.bits_dtype, numel=layout.numel, payloads=payloads, rows=rows,
-                     offsets=offsets, targets_bits=targets_bits)
-
-
-def direct(codec: DeltaCodec) -> _lib.Direct:
-    """``codec``'s encode and decode in one C call each (see :class:`ciera.native._lib.Direct`)."""
-    layout = codec.layout
-    return _lib.Direct(codec_id=DeltaCodec.codec_id, clayout=_c_layout(layout), numel=layout.numel, dtype=codec.dtype,
-                       state_dtype=layout.fmt.bits_dtype, fixed_bytes=codec.fixed_bytes, name=NAME)
