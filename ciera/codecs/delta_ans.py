@@ -411,8 +411,7 @@ class DeltaAnsCodec(Codec):
     encode_reference = staticmethod(encode_reference)
     decode_reference = staticmethod(decode_reference)
     decode_many_reference = staticmethod(decode_many_reference)
-    kernels = ""
-    """No Triton twin yet: CUDA tensors run the pure-torch reference (it is device-generic)."""
+    kernels = "ciera.kernels.delta_ans"
 
     def __init__(self, *, dtype: torch.dtype, numel: int, backend: str = "auto", block_size: int = 32768):
         super().__init__(dtype=dtype, numel=numel, backend=backend)
@@ -437,12 +436,6 @@ class DeltaAnsCodec(Codec):
     def reset_state(self, *, state: torch.Tensor, shard: torch.Tensor) -> None:
         self._check_shard(shard)
         state.copy_(as_bits(shard))
-
-    def _use_triton(self, t: torch.Tensor) -> bool:
-        if self.backend == "triton":
-            raise RuntimeError("delta_ans: backend='triton' but this codec has no Triton twin; use 'auto' "
-                               "(the pure-torch reference on CUDA, the native twin on CPU) or 'torch'")
-        return False
 
     def _check_state(self, state) -> None:
         if state is None or state.dtype != self.fmt.bits_dtype or state.numel() != self.numel:
