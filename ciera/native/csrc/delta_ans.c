@@ -5,19 +5,10 @@
  * overlap), into a staging copy of the block's raw area (a block whose streams would not fit there
  * is sent raw); sizes, prefix sums and the copy out follow. Decode: the tables become slot -> symbol
  * lookups, the counts give every block's offset, and blocks decode in parallel, 32 lanes per step.
- * Blocks are claimed dynamically; each block's bytes are its own, so nothing depends on threads. */
-#include "internal.h"
-
-#define DANS_LANES 32
-#define DANS_P 12
-#define DANS_M (1u << DANS_P)
-#define DANS_DIRECT 16
-#define DANS_LOW (1u << 16)
-#define DANS_RAW 0xFFFF
-#define DANS_MAX_SYMBOLS 44 /* W + 12 for W = 32 */
-/* Words between two lanes' buffers in the encoder's scratch: the most words plus 37, so the 32
- * write positions do not share one cache set (a power-of-two stride would: 4K aliasing). */
-#define DANS_STRIDE(mw) ((mw) + 37)
+ * Blocks are claimed dynamically; each block's bytes are its own, so nothing depends on threads.
+ * 16-bit values take the AVX-512 paths of delta_ans_avx512.c where the CPU has them (the same
+ * bytes and statuses; CIERA_NATIVE_AVX512=0 forces the portable ones). */
+#include "delta_ans.h"
 
 static int64_t al16(int64_t n) { return (n + 15) / 16 * 16; }
 static int64_t dans_off_counts(const ciera_dans_layout *l, int64_t n_tab) {
@@ -160,6 +151,7 @@ int64_t ciera_dans_encode(const ciera_dans_layout *l, const void *shard, void *s
     const int W = (int)l->total_bits;
     if (n == 0) return dans_off_data(l, 0);
     threads = clamp_threads(threads);
+    const int avx = W == 16 && cpu_avx512cd(); /* the AVX-512 path: 16-bit values */
     const int64_t n_hist = C * A;
     int64_t *hists = calloc((size_t)(threads * n_hist), sizeof(int64_t));
     int64_t *cnt = malloc((size_t)l->n_streams * sizeof(int64_t));
@@ -176,12 +168,16 @@ int64_t ciera_dans_encode(const ciera_dans_layout *l, const void *shard, void *s
     {
         const int k = CIERA_THREAD_ID();
         const int64_t lo = n * k / threads, hi = n * (k + 1) / threads;
-        dans_hist_range(l, shard, state, lo, hi, hists + k * n_hist);
+#if CIERA_X86
+        if (avx) dans_hist16_avx512(l, shard, state, lo, hi, hists + k * n_hist);
+        else
+#endif
+            dans_hist_range(l, shard, state, lo, hi, hists + k * n_hist);
     }
     for (int k = 1; k < threads; k++)
         for (int64_t i = 0; i < n_hist; i++) hists[i] += hists[k * n_hist + i];
     /* 2. tables: floor(n_s M / N), at least 1 where n_s > 0, the rest on the first most frequent. */
-    int tab_of[256];
+    int32_t tab_of[DANS_CONTEXTS];
     int64_t n_tab = 0;
     for (int64_t e = 0; e < C; e++) {
         const int64_t *h = hists + e * A;
@@ -204,6 +200,15 @@ int64_t ciera_dans_encode(const ciera_dans_layout *l, const void *shard, void *s
         uint32_t c = 0;
         for (int64_t s = 0; s < A; s++) tb->cum[s] = c, c += tb->freq[s], tb->magic[s] = dans_magic(tb->freq[s]);
     }
+    /* The AVX-512 path looks frequency | cumulative << 16 up by context, not by table. */
+    uint32_t *fc = avx ? calloc((size_t)(C * A), sizeof(uint32_t)) : NULL;
+    if (avx && !fc) {
+        free(hists), free(cnt), free(xs), free(block_bytes), free(staging), free(tabs);
+        return CIERA_E_NOMEM;
+    }
+    for (int64_t e = 0; fc && e < C; e++)
+        for (int64_t s = 0; tab_of[e] >= 0 && s < A; s++)
+            fc[e * A + s] = tabs[tab_of[e]].freq[s] | tabs[tab_of[e]].cum[s] << 16;
     /* 3. blocks: streams staged in the block's raw area when they fit there. */
     const size_t scratch = (size_t)(DANS_LANES * DANS_STRIDE(l->max_words)) * sizeof(uint16_t);
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -218,7 +223,11 @@ int64_t ciera_dans_encode(const ciera_dans_layout *l, const void *shard, void *s
             const int64_t base = b * l->block_size, nv = min64(l->block_size, n - base);
             int64_t *nw = cnt + b * DANS_LANES;
             uint32_t *xb = xs + b * DANS_LANES;
-            dans_encode_block(l, shard, state, tabs, tab_of, b, words, nw, xb);
+#if CIERA_X86
+            if (fc) dans_encode_block16_avx512(l, shard, state, fc, b, words, nw, xb);
+            else
+#endif
+                dans_encode_block(l, shard, state, tabs, tab_of, b, words, nw, xb);
             int64_t bytes = 0;
             for (int j = 0; j < DANS_LANES; j++)
                 if (j < nv) bytes += 4 + 2 * nw[j];
@@ -241,6 +250,7 @@ int64_t ciera_dans_encode(const ciera_dans_layout *l, const void *shard, void *s
         if (block_bytes[b] == -1) nomem = 1;
         total += block_bytes[b] >= 0 ? block_bytes[b] : -block_bytes[b] - 2;
     }
+    free(fc);
     if (nomem) {
         free(hists), free(cnt), free(xs), free(block_bytes), free(staging), free(tabs);
         return CIERA_E_NOMEM;
@@ -281,12 +291,6 @@ int64_t ciera_dans_encode(const ciera_dans_layout *l, const void *shard, void *s
     free(hists), free(cnt), free(xs), free(block_bytes), free(staging), free(tabs);
     return needed;
 }
-
-/* Decode tables: slot -> symbol, and each symbol's frequency and cumulative frequency. */
-typedef struct {
-    uint32_t slot[DANS_M]; /* the slot's symbol | frequency << 6 | (slot - cumulative) << 19: one load */
-    uint32_t freq[DANS_MAX_SYMBOLS], cum[DANS_MAX_SYMBOLS];
-} dans_dtable;
 
 /* Refills the state from the lane's next word when it fell below 2^16 (and `cond`), without a
  * branch: the word is read when the stream still holds one; *bad is set when it was needed and
@@ -375,7 +379,7 @@ int ciera_dans_decode(const ciera_dans_layout *l, const uint8_t *payload, int64_
     const int W = (int)l->total_bits;
     if (n == 0) return CIERA_OK;
     if (length < dans_off_data(l, 0)) return CIERA_E_TRUNCATED;
-    int tab_of[256];
+    int32_t tab_of[DANS_CONTEXTS];
     int64_t n_tab = 0;
     for (int64_t e = 0; e < C; e++) tab_of[e] = (payload[l->off_map + e / 8] >> (e % 8)) & 1 ? (int)n_tab++ : -1;
     if (dans_off_data(l, n_tab) > length) return CIERA_E_TRUNCATED;
@@ -392,19 +396,17 @@ int ciera_dans_decode(const ciera_dans_layout *l, const uint8_t *payload, int64_
     int rc = CIERA_OK;
     for (int64_t t = 0; t < n_tab && rc == CIERA_OK; t++) {
         dans_dtable *tb = &tabs[t];
-        uint32_t c = 0;
-        for (int64_t s = 0; s < A; s++) {
-            tb->freq[s] = (uint32_t)load_le(payload + l->off_tables + (t * A + s) * 2, 2);
-            tb->cum[s] = c;
-            c += tb->freq[s];
-        }
+        uint32_t freq[DANS_MAX_SYMBOLS], c = 0;
+        for (int64_t s = 0; s < A; s++) c += freq[s] = (uint32_t)load_le(payload + l->off_tables + (t * A + s) * 2, 2);
         if (c != DANS_M) {
             rc = CIERA_E_FREQ;
             break;
         }
+        c = 0;
         for (int64_t s = 0; s < A; s++) {
-            const uint32_t head = (uint32_t)s | tb->freq[s] << 6, c0 = tb->cum[s];
-            for (uint32_t q = 0; q < tb->freq[s]; q++) tb->slot[c0 + q] = head | q << 19;
+            const uint32_t head = (uint32_t)s | freq[s] << 6;
+            for (uint32_t q = 0; q < freq[s]; q++) tb->slot[c + q] = head | q << 19;
+            c += freq[s];
         }
     }
     int64_t pos = off_d;
@@ -427,6 +429,8 @@ int ciera_dans_decode(const ciera_dans_layout *l, const uint8_t *payload, int64_
     if (rc == CIERA_OK && pos > length) rc = CIERA_E_TRUNCATED;
     if (rc == CIERA_OK) {
         threads = clamp_threads(threads);
+        const int avx = W == 16 && cpu_avx512cd(); /* the AVX-512 path: 16-bit values */
+        (void)avx;
         int err = CIERA_OK;
         const uint32_t mask = W == 16 ? 0xFFFFu : 0xFFFFFFFFu;
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(dynamic, 1)
@@ -440,7 +444,11 @@ int ciera_dans_decode(const ciera_dans_layout *l, const uint8_t *payload, int64_
                     store_u(target, i, (load_u(target, i, W) + ((z >> 1) ^ (0u - (z & 1)))) & mask, W);
                 }
             } else {
-                r = dans_decode_block(l, payload, tabs, tab_of, start, end, b, target);
+#if CIERA_X86
+                if (avx) r = dans_decode_block16_avx512(l, payload, tabs, tab_of, start, end, b, target);
+                else
+#endif
+                    r = dans_decode_block(l, payload, tabs, tab_of, start, end, b, target);
             }
             if (r != CIERA_OK) {
 #pragma omp critical(ciera_dans_err)
