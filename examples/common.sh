@@ -28,8 +28,10 @@
 #   DRY_RUN=1        print the command as one shell-quoted line instead of running it
 #   DATA_PATH        Megatron data prefix(es), e.g. "data/agnews_text_document" (unset: --mock-data)
 #   TOKENIZER        unset: NullTokenizer with the model's vocab; "byte": NullTokenizer matching
-#                    tools/preprocess_data.py --tokenizer byte; anything else: a --tokenizer-type
-#                    (with TOKENIZER_MODEL -> --tokenizer-model, VOCAB_SIZE -> --vocab-size)
+#                    tools/preprocess_data.py --tokenizer byte (EOD 260; the --vocab-size that puts
+#                    it there is asked of the installed megatron-core); anything else: a
+#                    --tokenizer-type (with TOKENIZER_MODEL -> --tokenizer-model); VOCAB_SIZE ->
+#                    --vocab-size in every case
 #   CHECKPOINT_DIR   --save/--load directory (unset: no checkpoints), SAVE_INTERVAL (default 500)
 #   NNODES, GPUS_PER_NODE, NODE_RANK, MASTER_ADDR, MASTER_PORT
 #   TP, PP, EP       tensor / pipeline / expert model-parallel sizes (default 1)
@@ -45,13 +47,48 @@
 CIERA_EXAMPLES_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 CIERA_ROOT="$(cd "$CIERA_EXAMPLES_DIR/.." && pwd)"
 
-# Must equal BYTE_VOCAB_SIZE in tools/preprocess_data.py (tests check it): ids 0-3 reserved,
-# bytes at 4-259, and NullTokenizer puts its EOD at id --vocab-size = 260.
-CIERA_BYTE_VOCAB_SIZE=260
+# Must equal BYTE_EOD in tools/preprocess_data.py (tests check it): ids 0-3 reserved, bytes at
+# 4-259, EOD 260 after every document. The --vocab-size that puts NullTokenizer's EOD there depends
+# on the installed megatron-core (ciera_null_vocab_size asks it).
+CIERA_BYTE_EOD=260
 
 ciera_die() {
     printf '%s: error: %s\n' "${MODEL_NAME:-ciera}" "$*" >&2
     exit 2
+}
+
+# The Python that runs pretrain_gpt.py: PYTHON, else TORCHRUN's interpreter when it is
+# "PY -m torch.distributed.run ...", else python3 beside torchrun on PATH, else the repository's .venv
+# (the same choice as ciera_launcher).
+ciera_python() {
+    local -a words
+    read -r -a words <<<"${TORCHRUN:-}"
+    if [[ -n "${PYTHON:-}" ]]; then
+        printf '%s\n' "$PYTHON"
+    elif ((${#words[@]} >= 2)) && [[ "${words[1]}" == -m ]]; then
+        printf '%s\n' "${words[0]}"
+    elif [[ -n "${TORCHRUN:-}" ]] || command -v torchrun >/dev/null 2>&1 || [[ ! -x "$CIERA_ROOT/.venv/bin/python" ]]; then
+        printf 'python3\n'
+    else
+        printf '%s\n' "$CIERA_ROOT/.venv/bin/python"
+    fi
+}
+
+# The --vocab-size that puts the installed megatron-core's NullTokenizer EOD at id $1: NullTokenizer
+# put it at --vocab-size up to megatron-core 0.17 and at --vocab-size - 1 from 0.18 on. Asked of
+# megatron.ciera.upstream_features with the Python that trains (a few seconds: it imports megatron-core).
+ciera_null_vocab_size() {
+    local eod=$1 py out
+    py=$(ciera_python)
+    if out=$(PYTHONPATH="$CIERA_ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore "$py" -c \
+        'import sys; from megatron.ciera.upstream_features import null_tokenizer_vocab_size as v; print(v(int(sys.argv[1])))' \
+        "$eod" 2>&1) && [[ "${out##*$'\n'}" =~ ^[0-9]+$ ]]; then
+        printf '%s\n' "${out##*$'\n'}"
+    else
+        ciera_die "cannot ask $py which --vocab-size puts megatron-core's NullTokenizer EOD at id $eod" \
+            "(${out##*$'\n'}); set PYTHON to the interpreter that trains, or VOCAB_SIZE" \
+            "($eod on megatron-core 0.16-0.17, $((eod + 1)) from 0.18 on)"
+    fi
 }
 
 # Print the arguments as one line that bash reads back as the same words: plain words as they
@@ -225,12 +262,20 @@ ciera_build_args() {
     fi
     local tokenizer=${TOKENIZER:-}
     if [[ -z "$tokenizer" ]]; then
-        # NullTokenizer holds --vocab-size ids plus its EOD, so N - 1 gives the model's N rows.
-        local vocab=$MODEL_VOCAB
+        # The model's N rows (padded to a multiple of 128 x TP) on every release: NullTokenizer
+        # holds --vocab-size + 1 ids up to megatron-core 0.17 and --vocab-size from 0.18 on, so N - 1
+        # gives N or N - 1 ids, which pad alike unless N - 1 is a multiple of the padding; then N
+        # (N + 1 or N ids) does.
+        local vocab=$MODEL_VOCAB pad=$((128 * TP))
         if [[ "$tiny" == 1 ]]; then vocab=512; fi
-        CIERA_TRAIN_ARGS+=(--tokenizer-type NullTokenizer --vocab-size "${VOCAB_SIZE:-$((vocab - 1))}")
+        local null_vocab=$((vocab % pad == 1 ? vocab : vocab - 1))
+        CIERA_TRAIN_ARGS+=(--tokenizer-type NullTokenizer --vocab-size "${VOCAB_SIZE:-$null_vocab}")
     elif [[ "$tokenizer" == byte ]]; then
-        CIERA_TRAIN_ARGS+=(--tokenizer-type NullTokenizer --vocab-size "$CIERA_BYTE_VOCAB_SIZE")
+        local byte_vocab=${VOCAB_SIZE:-}
+        if [[ -z "$byte_vocab" ]]; then
+            byte_vocab=$(ciera_null_vocab_size "$CIERA_BYTE_EOD") || exit 2  # it said why
+        fi
+        CIERA_TRAIN_ARGS+=(--tokenizer-type NullTokenizer --vocab-size "$byte_vocab")
     else
         CIERA_TRAIN_ARGS+=(--tokenizer-type "$tokenizer")
         if [[ -n "${TOKENIZER_MODEL:-}" ]]; then

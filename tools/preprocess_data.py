@@ -13,10 +13,11 @@ Inputs (one or more files, optionally ``.gz``; the format follows the extension 
 Tokenizers (nothing is downloaded, ever):
 
 * ``--tokenizer byte``: UTF-8 bytes shifted by :data:`BYTE_OFFSET` (ids 0-3 are reserved), so ids
-  are 4..259, and every document ends with EOD = :data:`BYTE_VOCAB_SIZE` = 260. Train on it with
-  ``--tokenizer-type NullTokenizer --vocab-size 260`` (``TOKENIZER=byte`` in ``examples/``):
-  Megatron's NullTokenizer places its EOD at id ``vocab_size`` and holds ``vocab_size + 1`` ids,
-  which is exactly this layout.
+  are 4..259, and every document ends with EOD = :data:`BYTE_EOD` = 260. Train on it with
+  ``--tokenizer-type NullTokenizer --vocab-size`` :func:`byte_train_vocab_size` (``TOKENIZER=byte``
+  in ``examples/``): Megatron's NullTokenizer has its EOD as its last id, at ``vocab_size`` up to
+  megatron-core 0.17 (260) and at ``vocab_size - 1`` from 0.18 on (261); the tool prints the one
+  the installed release needs.
 * ``--tokenizer hf --tokenizer-file tokenizer.json``: a local Hugging Face ``tokenizers`` file.
   The EOD id is ``--eod-token`` (default: the first of ``<|endoftext|>``, ``</s>``,
   ``<|end_of_text|>``, ``<eos>`` the file knows). Train with ``--vocab-size`` equal to the printed
@@ -56,9 +57,19 @@ BYTE_OFFSET = 4
 """Byte ``b`` becomes id ``b + BYTE_OFFSET``; ids below it are reserved for future special tokens."""
 
 BYTE_VOCAB_SIZE = BYTE_OFFSET + 256
-"""The ``--vocab-size`` to train with; it is also the EOD id (Megatron's NullTokenizer layout)."""
+"""Ids of the byte tokenizer below its EOD: the reserved ones and the bytes."""
 
 BYTE_EOD = BYTE_VOCAB_SIZE
+"""The byte tokenizer's EOD, after every document: the corpus's largest id."""
+
+
+def byte_train_vocab_size() -> int:
+    """The ``--vocab-size`` that puts the installed megatron-core's NullTokenizer EOD at
+    :data:`BYTE_EOD` (260 up to megatron-core 0.17, 261 from 0.18 on)."""
+    from megatron.ciera.upstream_features import null_tokenizer_vocab_size
+
+    return null_tokenizer_vocab_size(BYTE_EOD)
+
 
 DEFAULT_EOD_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 
@@ -583,7 +594,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"({summary.skipped_empty} empty skipped) in {summary.seconds:.1f}s, {rate:.0f} documents/s"
     )
     if args.tokenizer == "byte":
-        hint = f"--tokenizer-type NullTokenizer --vocab-size {BYTE_VOCAB_SIZE}  (or TOKENIZER=byte)"
+        hint = f"--tokenizer-type NullTokenizer --vocab-size {byte_train_vocab_size()}  (or TOKENIZER=byte)"
     else:
         hint = f"--vocab-size {summary.vocab_size} (EOD id {summary.eod})"
     print(f"train with: --data-path {summary.prefix} {hint}")

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron.ciera.upstream_features import null_tokenizer_vocab_size
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 MODELS = ("olmoe", "deepseek", "qwen2", "minicpm", "mixtral", "scout")
@@ -165,7 +167,7 @@ def test_environment_reaches_the_command(monkeypatch, tmp_path):
     assert world_size(launcher) == 4
     args = _parse(argv, 4, monkeypatch)
     assert args.data_path == ["0.7", "/d/a_text_document", "0.3", "/d/b_text_document"]
-    assert (args.tokenizer_type, args.vocab_size) == ("NullTokenizer", 260)
+    assert (args.tokenizer_type, args.vocab_size) == ("NullTokenizer", null_tokenizer_vocab_size(260))
     assert args.save == args.load == str(ckpt)
     assert args.tensorboard_dir == str(tmp_path / "tb's")
     assert args.log_interval == 5  # "$@" comes last and wins
@@ -175,10 +177,44 @@ def test_environment_reaches_the_command(monkeypatch, tmp_path):
 
 
 def test_byte_vocab_matches_preprocess_tool():
+    """TOKENIZER=byte puts the installed NullTokenizer's EOD on the byte corpus's EOD (260 on
+    megatron-core 0.16, 261 on 0.19), as the tool's hint does; VOCAB_SIZE overrides it."""
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
     from tools import preprocess_data
 
     argv = split_command(dry_run(train_script("olmoe"), TOKENIZER="byte"))[1]
-    assert int(flag_value(argv, "--vocab-size")) == preprocess_data.BYTE_VOCAB_SIZE == preprocess_data.BYTE_EOD
+    vocab = int(flag_value(argv, "--vocab-size"))
+    assert vocab == preprocess_data.byte_train_vocab_size()
+    assert NullTokenizer(vocab).eod == preprocess_data.BYTE_EOD == 260
+    argv = split_command(dry_run(train_script("olmoe"), TOKENIZER="byte", VOCAB_SIZE="300"))[1]
+    assert flag_value(argv, "--vocab-size") == "300"
+
+
+def test_byte_vocab_probe_failure_is_an_error():
+    """An interpreter that cannot answer stops the script with a message naming the way out."""
+    proc = subprocess.run(["bash", str(train_script("olmoe"))], capture_output=True, text=True, timeout=60,
+                          env=_clean_env(DRY_RUN="1", TOKENIZER="byte", PYTHON="/nonexistent/python"))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "set PYTHON to the interpreter that trains, or VOCAB_SIZE (260 on megatron-core 0.16-0.17" in proc.stderr
+
+
+@pytest.mark.parametrize("model", ["olmoe", "minicpm"])
+def test_mock_vocab_pads_to_the_model_rows_on_this_release(model):
+    """Without TOKENIZER the model gets the published vocabulary's padded rows whatever NullTokenizer
+    adds for its EOD (minicpm's 122753 = 959 x 128 + 1 is the case where N - 1 would fall short)."""
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    from megatron.ciera.data import padded_vocab_size
+
+    script = train_script(model)
+    published = int(next(line.split("=")[1] for line in script.read_text().splitlines()
+                         if line.startswith("MODEL_VOCAB=")))
+    for tp in ("1", "2"):
+        argv = split_command(dry_run(script, TP=tp, NNODES="1", GPUS_PER_NODE="8"))[1]
+        ids = NullTokenizer(int(flag_value(argv, "--vocab-size"))).vocab_size
+        pad = 128 * int(tp)
+        assert padded_vocab_size(ids, pad) == padded_vocab_size(published, pad)
 
 
 @pytest.mark.parametrize(
