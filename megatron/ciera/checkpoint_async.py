@@ -52,11 +52,6 @@ folder's other leftovers at the next start)."""
 _POLL_S = 0.05  # between two checks of a blocking finalisation
 
 
-def _strategy(args) -> str:
-    """The async strategy in force (``mcore`` on megatron-core 0.16, whose table has no choice)."""
-    return getattr(args, "async_strategy", "mcore")
-
-
 def check_args(args: argparse.Namespace, err: Callable[[str], None]) -> None:
     """Settle the ``--async-*`` flags under ``--async-save`` (inert without it, as upstream): nvrx
     and its CPU-shm staging become megatron-core's own writer (``args`` is updated; the requested
@@ -68,7 +63,8 @@ def check_args(args: argparse.Namespace, err: Callable[[str], None]) -> None:
         return  # 0.19: saved synchronously (async_queue says so), upstream's strategy then mcore
     # nvrx and its CPU-shm staging write the same files as mcore: written with mcore (async_queue
     # says so at start-up); the requested writer is kept for that line.
-    if _strategy(args) == "nvrx" or getattr(args, "async_ckpt_use_cpu_shm", False):
+    # 0.16's table has no --async-strategy: megatron-core's writer is the only one.
+    if getattr(args, "async_strategy", "mcore") == "nvrx" or getattr(args, "async_ckpt_use_cpu_shm", False):
         args.async_writer_requested = "nvrx" + (" with --async-ckpt-use-cpu-shm" if args.async_ckpt_use_cpu_shm else "")
         args.async_strategy, args.async_ckpt_use_cpu_shm = "mcore", False
 
@@ -81,7 +77,9 @@ def save_kwargs(args: argparse.Namespace | None, *, asynchronous: bool) -> dict:
     params = inspect.signature(dist_checkpointing.save).parameters
     out = {}
     if "async_strategy" in params:
-        out["async_strategy"] = _strategy(args) if asynchronous and args is not None else "mcore"
+        # megatron-core's own writer, the only one here: check_args rewrote nvrx (and its CPU-shm
+        # staging) to it, and a synchronous save takes no other.
+        out["async_strategy"] = "mcore"
     if getattr(args, "verify_integrity", False):
         out["verify_integrity"] = True
     if asynchronous:
