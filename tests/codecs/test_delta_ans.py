@@ -224,3 +224,29 @@ def test_compresses_adam_trajectory_below_delta(lr, most):
     ans = encode(make_codec("delta_ans", dtype=torch.bfloat16, numel=n), x, y)[1] / (2 * n)
     delta = encode(make_codec("delta", dtype=torch.bfloat16, numel=n), x, y)[1] / (2 * n)
     assert ans <= most and ans <= 0.85 * delta, (ans, delta)
+
+
+@pytest.mark.parametrize("avx512", ["0", "1"])
+def test_every_context_with_a_table(avx512, monkeypatch):
+    """bf16 previous values with all 256 exponents: 256 tables, so no context lacks one (the
+    AVX-512 decoder's table bytes then use 0xFF as a table, not as "none"). The native twin, on
+    the portable and the AVX-512 path, writes the reference's bytes and decodes them."""
+    from ciera import native
+
+    if not native.available():
+        pytest.skip(native.unavailable_reason())
+    monkeypatch.setenv("CIERA_NATIVE_AVX512", avx512)
+    g = torch.Generator().manual_seed(3)
+    n = 256 * 200
+    exps = torch.arange(n) % 256
+    prev = (torch.randint(0, 2, (n,), generator=g) << 15) | (exps << 7) | torch.randint(0, 128, (n,), generator=g)
+    new = (prev + torch.randint(-3, 4, (n,), generator=g)) & 0xFFFF
+    x, y = (t.to(torch.int32).to(torch.int16).view(torch.bfloat16) for t in (prev, new))
+    ref = make_codec("delta_ans", dtype=torch.bfloat16, numel=n, backend="torch", block_size=1024)
+    nat = make_codec("delta_ans", dtype=torch.bfloat16, numel=n, backend="native", block_size=1024)
+    want, needed = encode(ref, x, y)
+    got, _ = encode(nat, x, y)
+    assert torch.equal(got, want)
+    assert int(want[ref.layout.off_map : ref.layout.off_map + 32].sum()) == 32 * 255  # every context mapped
+    assert needed < ref.max_bytes // 2  # coded, not sent raw
+    assert torch.equal(as_bits(decoded(nat, x, want)), as_bits(y))

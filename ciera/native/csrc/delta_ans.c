@@ -430,7 +430,12 @@ int ciera_dans_decode(const ciera_dans_layout *l, const uint8_t *payload, int64_
     if (rc == CIERA_OK) {
         threads = clamp_threads(threads);
         const int avx = W == 16 && cpu_avx512cd(); /* the AVX-512 path: 16-bit values */
-        (void)avx;
+        uint8_t tab8[DANS_CONTEXTS + 1];
+        memset(tab8, 0xFF, DANS_CONTEXTS);
+        for (int64_t e = 0; e < C; e++)
+            if (tab_of[e] >= 0) tab8[e] = (uint8_t)tab_of[e];
+        tab8[DANS_CONTEXTS] = n_tab < DANS_CONTEXTS; /* with 256 tables, 0xFF is a table */
+        (void)avx, (void)tab8;
         int err = CIERA_OK;
         const uint32_t mask = W == 16 ? 0xFFFFu : 0xFFFFFFFFu;
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(dynamic, 1)
@@ -445,7 +450,7 @@ int ciera_dans_decode(const ciera_dans_layout *l, const uint8_t *payload, int64_
                 }
             } else {
 #if CIERA_X86
-                if (avx) r = dans_decode_block16_avx512(l, payload, tabs, tab_of, start, end, b, target);
+                if (avx) r = dans_decode_block16_avx512(l, payload, tabs, tab8, start, end, b, target);
                 else
 #endif
                     r = dans_decode_block(l, payload, tabs, tab_of, start, end, b, target);

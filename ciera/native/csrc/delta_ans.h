@@ -35,9 +35,10 @@ void dans_hist16_avx512(const ciera_dans_layout *l, const uint16_t *shard, const
 void dans_encode_block16_avx512(const ciera_dans_layout *l, const uint16_t *shard, const uint16_t *state,
                                 const uint32_t *fc, int64_t b, uint16_t *words, int64_t *nw, uint32_t *xs);
 /* Decodes ANS block b into target (the previous values on entry), as dans_decode_block; the same
- * status for the same payload. */
+ * status for the same payload. tab8: DANS_CONTEXTS + 1 bytes, context e's table (0xFF: none), then
+ * 1 when some context has none (fewer than 256 tables). */
 int dans_decode_block16_avx512(const ciera_dans_layout *l, const uint8_t *payload, const dans_dtable *tabs,
-                               const int32_t *tab_of, const int64_t *stream_start, const int64_t *stream_end,
+                               const uint8_t *tab8, const int64_t *stream_start, const int64_t *stream_end,
                                int64_t b, uint16_t *target);
 #endif
 

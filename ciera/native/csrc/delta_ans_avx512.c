@@ -159,7 +159,7 @@ DANS_INLINE __m512i dans_refill16(__m512i x, __mmask16 cond, const uint8_t *pb, 
 }
 
 DANS_FN int dans_decode_block16_avx512(const ciera_dans_layout *l, const uint8_t *payload, const dans_dtable *tabs,
-                                       const int32_t *tab_of, const int64_t *stream_start, const int64_t *stream_end,
+                                       const uint8_t *tab8, const int64_t *stream_start, const int64_t *stream_end,
                                        int64_t b, uint16_t *target) {
     const int64_t B = l->block_size, base = b * B, nv = min64(B, l->numel - base);
     const int64_t steps = (nv + DANS_LANES - 1) / DANS_LANES, s0 = stream_start[b * DANS_LANES];
@@ -167,6 +167,10 @@ DANS_FN int dans_decode_block16_avx512(const ciera_dans_layout *l, const uint8_t
     const __m128i sm = _mm_cvtsi32_si128((int)l->mant_bits);
     const __m512i emask = _mm512_set1_epi16((short)((1 << l->exp_bits) - 1));
     const __m512i one = _mm512_set1_epi32(1), zero = _mm512_setzero_si512(), c16 = _mm512_set1_epi32(DANS_DIRECT);
+    /* tab8 in four registers: 64 contexts' tables looked up by two permutes and a blend (VBMI) */
+    const __m512i t0 = _mm512_loadu_si512(tab8), t1 = _mm512_loadu_si512(tab8 + 64);
+    const __m512i t2 = _mm512_loadu_si512(tab8 + 128), t3 = _mm512_loadu_si512(tab8 + 192);
+    const int can_miss = tab8[DANS_CONTEXTS] != 0;
     __m512i x[2], at[2], end[2];
     __mmask16 live[2], bad = 0;
     for (int h = 0; h < 2; h++) {
@@ -181,15 +185,14 @@ DANS_FN int dans_decode_block16_avx512(const ciera_dans_layout *l, const uint8_t
         const __mmask32 m = (__mmask32)lowmask64(nv - t * DANS_LANES);
         const __m512i od16 = _mm512_maskz_loadu_epi16(m, target + i0);
         const __m512i e16 = _mm512_and_si512(_mm512_srl_epi16(od16, sm), emask);
-        /* Both halves' tables first: a context without one stops the block before it writes. */
-        __m512i ti[2];
-        __mmask16 missing = 0;
-        for (int h = 0; h < 2; h++) {
-            const __mmask16 v = (__mmask16)(m >> (16 * h));
-            ti[h] = _mm512_mask_i32gather_epi32(zero, v, dans_half(e16, h), tab_of, 4);
-            missing |= _mm512_mask_cmplt_epi32_mask(v, ti[h], zero);
-        }
-        if (missing) return CIERA_E_NO_TABLE;
+        /* The 32 values' tables first: a context without one stops the block before it writes. */
+        const __m512i e8 = _mm512_castsi256_si512(_mm512_cvtepi16_epi8(e16));
+        const __m512i tb = _mm512_mask_blend_epi8(_mm512_movepi8_mask(e8), _mm512_permutex2var_epi8(t0, e8, t1),
+                                                  _mm512_permutex2var_epi8(t2, e8, t3));
+        if (can_miss && _mm512_mask_cmpeq_epi8_mask((__mmask64)m, tb, _mm512_set1_epi8((char)0xFF)))
+            return CIERA_E_NO_TABLE;
+        const __m512i ti[2] = {_mm512_cvtepu8_epi32(_mm512_castsi512_si128(tb)),
+                               _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(tb, 1))};
         __m256i out[2];
         for (int h = 0; h < 2; h++) {
             const __mmask16 v = (__mmask16)(m >> (16 * h));
