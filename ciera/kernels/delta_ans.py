@@ -23,7 +23,7 @@ encode (4 kernels and one cumsum):
 decode (3 kernels and one cumsum; ``decode_many_triton`` runs the same over ``k x blocks``):
 
 1. ``_sizes``: per block, the counts' checks (raw marks, words per stream) and the block's size.
-2. ``_lut``: per mapped context, its table's sum check and a 4096-slot lookup of packed
+2. ``_lut``: per mapped context (8 contexts a program), its table's sum check and a 4096-slot lookup of packed
    ``symbol | f << 6 | cum << 19`` (one load per decoded symbol).
 3. (``torch.cumsum``) ``_decode_blocks``: per block, the section bound check, then the raw ``z`` or
    the 32 streams step by step (symbol, refill, low raw bits, refill, high raw bits, refill), the
@@ -52,6 +52,8 @@ _HIST_VALUES = 4096
 """Values per ``_hist`` program: amortises its per-bin atomics."""
 _CHUNK = 64
 """Words (or raw values) per lane moved per trip of ``_emit``'s and ``_decode_blocks``' copy loops."""
+_LUT_CONTEXTS = 8
+"""Contexts per ``_lut`` program (the mapped ones of a shard are a few neighbouring exponents)."""
 _NO_ERROR = 99
 """Initial error word: above every code."""
 _ERRORS = {
@@ -313,41 +315,45 @@ def _sizes(payload_ptr, offsets_ptr, bytes_ptr, err_ptr, plen, n, n_blocks,
     marks = cnt == RAW_MARK
     raw = tl.sum(marks.to(tl.int32), axis=0) > 0
     first = tl.sum(tl.where(lane == 0, marks.to(tl.int32), 0), axis=0) > 0
-    _fail(err_ptr, 3, inside & (tl.sum(tl.where(marks != first, 1, 0), axis=0) > 0))
+    _fail(err_ptr, 3, inside & raw & ~first)  # (the reference's check: some marked, the first not)
     _fail(err_ptr, 4, inside & (tl.sum(tl.where(~marks & (cnt > MW), 1, 0), axis=0) > 0))
     nvb = tl.minimum(n - b * B, B)
     nvl = tl.maximum((nvb - lane + 31) // 32, 0)
     sb = tl.where(marks | (nvl == 0), 0, 4 + 2 * cnt)
-    tl.store(bytes_ptr + row * n_blocks + b, tl.where(first & raw, nvb * S, tl.sum(sb, axis=0)))
+    tl.store(bytes_ptr + row * n_blocks + b, tl.where(first, nvb * S, tl.sum(sb, axis=0)))
 
 
 @triton.jit
 def _lut(payload_ptr, offsets_ptr, lut_ptr, err_ptr, plen,
          OFF_MAP: tl.constexpr, NCLS: tl.constexpr, OFF_TABLES: tl.constexpr, TABLE_BYTES: tl.constexpr,
-         NS2: tl.constexpr, A: tl.constexpr, AP: tl.constexpr, BATCHED: tl.constexpr):
-    """Slot lookup of context ``program_id(1)``'s table (when mapped): ``symbol | f << 6 | cum << 19``."""
+         NS2: tl.constexpr, A: tl.constexpr, AP: tl.constexpr, CPP: tl.constexpr, BATCHED: tl.constexpr):
+    """Slot lookups of the mapped tables among contexts ``CPP * program_id(1) ..`` (``CPP`` of them):
+    ``symbol | f << 6 | cum << 19`` per slot."""
     row = tl.program_id(0).to(tl.int64)
-    ctx = tl.program_id(1)
     pbase, length = _payload_at(payload_ptr, offsets_ptr, plen, BATCHED)
     mapped = _map_rank(payload_ptr, pbase, OFF_MAP, NCLS)
     c = tl.arange(0, NCLS)
     n_tab = tl.sum(mapped, axis=0).to(tl.int64)
-    rank = tl.sum(tl.where(c < ctx, mapped, 0), axis=0).to(tl.int64)
-    mine = tl.sum(tl.where(c == ctx, mapped, 0), axis=0) > 0
     off_counts, off_data = _off_data(n_tab, OFF_TABLES, TABLE_BYTES, NS2)
-    if mine & (off_data <= length):
-        s = tl.arange(0, AP)
-        at = pbase + OFF_TABLES + rank * TABLE_BYTES + 2 * s
-        f = (tl.load(payload_ptr + at, mask=s < A, other=0).to(tl.int32)
-             | tl.load(payload_ptr + at + 1, mask=s < A, other=0).to(tl.int32) << 8)
-        _fail(err_ptr, 2, tl.sum(f, axis=0) != 4096)
-        ends = tl.cumsum(f, axis=0)
-        # symbol(slot) = #{s : cum_end[s] <= slot} (searchsorted, right), at most A - 1.
-        starts = tl.histogram(ends, 4096, mask=(s < A) & (ends < 4096))
-        sym = tl.minimum(tl.cumsum(starts, axis=0), A - 1)
-        fs = tl.gather(f, sym, 0)
-        cs = tl.gather(ends - f, sym, 0)
-        tl.store(lut_ptr + (row * NCLS + ctx) * 4096 + tl.arange(0, 4096), sym | (fs << 6) | (cs << 19))
+    s = tl.arange(0, AP)
+    bad = n_tab < 0
+    for i in range(0, CPP):
+        ctx = tl.program_id(1) * CPP + i
+        rank = tl.sum(tl.where(c < ctx, mapped, 0), axis=0).to(tl.int64)
+        mine = tl.sum(tl.where(c == ctx, mapped, 0), axis=0) > 0
+        if mine & (off_data <= length):
+            at = pbase + OFF_TABLES + rank * TABLE_BYTES + 2 * s
+            f = (tl.load(payload_ptr + at, mask=s < A, other=0).to(tl.int32)
+                 | tl.load(payload_ptr + at + 1, mask=s < A, other=0).to(tl.int32) << 8)
+            bad = bad | (tl.sum(f, axis=0) != 4096)
+            ends = tl.cumsum(f, axis=0)
+            # symbol(slot) = #{s : cum_end[s] <= slot} (searchsorted, right), at most A - 1.
+            starts = tl.histogram(ends, 4096, mask=(s < A) & (ends < 4096))
+            sym = tl.minimum(tl.cumsum(starts, axis=0), A - 1)
+            fs = tl.gather(f, sym, 0)
+            cs = tl.gather(ends - f, sym, 0)
+            tl.store(lut_ptr + (row * NCLS + ctx) * 4096 + tl.arange(0, 4096), sym | (fs << 6) | (cs << 19))
+    _fail(err_ptr, 2, bad)
 
 
 @triton.jit
@@ -384,19 +390,13 @@ def _decode_blocks(payload_ptr, target_ptr, rows_ptr, offsets_ptr, bytes_ptr, en
            | tl.load(payload_ptr + at + 1, mask=_spread(inside, lane), other=0).to(tl.int64) << 8)
     marks = cnt == RAW_MARK
     nvb = tl.minimum(n - b * B, B)
-    if inside & (tl.sum(marks.to(tl.int32), axis=0) == 32):
-        for i0 in range(0, nvb, 32 * CH):
-            j = i0 + tl.arange(0, 32 * CH)
-            v = j < nvb
-            z = tl.zeros([32 * CH], tl.int64)
-            for t in tl.static_range(S):
-                z |= tl.load(payload_ptr + start + j * S + t, mask=v, other=0).to(tl.int64) << (8 * t)
-            old = tl.load(target_ptr + b * B + j, mask=v, other=0).to(tl.int64) & M
-            u = (old + ((z >> 1) ^ -(z & 1))) & M
-            tl.store(target_ptr + b * B + j, u.to(target_ptr.dtype.element_ty), mask=v)
-    elif inside & (tl.sum(marks.to(tl.int32), axis=0) == 0) & (tl.max(cnt, axis=0) <= MW):
+    # A block is raw when its first stream is marked; streams not marked are entropy-coded (a raw
+    # block with unmarked streams is corrupt: they are decoded, as the reference does, for its checks,
+    # from the previous values, and not stored; the raw values are stored after).
+    first = tl.sum(tl.where(lane == 0, marks.to(tl.int32), 0), axis=0) > 0
+    if inside & (tl.sum(marks.to(tl.int32), axis=0) < 32) & (tl.max(tl.where(marks, 0, cnt), axis=0) <= MW):
         nvl = tl.maximum((nvb - lane + 31) // 32, 0)
-        live = nvl > 0
+        live = (nvl > 0) & ~marks
         sb = tl.where(live, 4 + 2 * cnt, 0)
         ls = start + tl.cumsum(sb, axis=0) - sb
         x = tl.zeros([32], tl.int64)
@@ -409,9 +409,10 @@ def _decode_blocks(payload_ptr, target_ptr, rows_ptr, offsets_ptr, bytes_ptr, en
         orphan = tl.zeros([32], tl.int1)
         steps = (nvb + 31) // 32
         lut_row = lut_ptr + row * (NCLS * 4096)
+        keep = ~_spread(first, lane)  # the values of an entropy-coded block
         for t in range(0, steps):
             j = t * 32 + lane
-            v = j < nvb
+            v = (j < nvb) & ~marks
             old = tl.load(target_ptr + b * B + j, mask=v, other=0).to(tl.int64) & M
             ctx = (old >> MANT) & EXPMASK
             has = (tl.load(payload_ptr + pbase + OFF_MAP + ctx // 8, mask=v, other=0).to(tl.int32) >> (ctx % 8)) & 1
@@ -433,10 +434,20 @@ def _decode_blocks(payload_ptr, target_ptr, rows_ptr, offsets_ptr, bytes_ptr, en
             past = past | (v & (word_at > end))
             z = tl.where(sym < 16, sym, (tl.full([32], 1, tl.int64) << k) | (hi << 16) | lo)
             u = (old + ((z >> 1) ^ -(z & 1))) & M
-            tl.store(target_ptr + b * B + j, u.to(target_ptr.dtype.element_ty), mask=v)
+            tl.store(target_ptr + b * B + j, u.to(target_ptr.dtype.element_ty), mask=v & keep)
         _fail(err_ptr, 6, tl.sum(orphan.to(tl.int32), axis=0) > 0)
         _fail(err_ptr, 7, tl.sum(past.to(tl.int32), axis=0) > 0)
         _fail(err_ptr, 8, tl.sum((live & ((word_at != end) | (x != 65536))).to(tl.int32), axis=0) > 0)
+    if inside & first:
+        for i0 in range(0, nvb, 32 * CH):
+            j = i0 + tl.arange(0, 32 * CH)
+            v = j < nvb
+            z = tl.zeros([32 * CH], tl.int64)
+            for t in tl.static_range(S):
+                z |= tl.load(payload_ptr + start + j * S + t, mask=v, other=0).to(tl.int64) << (8 * t)
+            old = tl.load(target_ptr + b * B + j, mask=v, other=0).to(tl.int64) & M
+            u = (old + ((z >> 1) ^ -(z & 1))) & M
+            tl.store(target_ptr + b * B + j, u.to(target_ptr.dtype.element_ty), mask=v)
 
 
 # -- launchers -------------------------------------------------------------------------------------
@@ -556,7 +567,8 @@ def _decode(layout: DeltaAnsLayout, payload: torch.Tensor, targets: torch.Tensor
     sizes = torch.empty(k * nb, dtype=torch.int64, device=dev)
     _sizes[(k, nb)](payload, offsets, sizes, err, plen, n, nb, BATCHED=batched, **c, num_warps=1)
     lut = torch.empty(k * NCLS * 4096, dtype=torch.int32, device=dev)
-    _lut[(k, NCLS)](payload, offsets, lut, err, plen, A=layout.n_symbols, AP=_ap(layout), BATCHED=batched,
+    _lut[(k, NCLS // _LUT_CONTEXTS)](payload, offsets, lut, err, plen, A=layout.n_symbols, AP=_ap(layout),
+                                    CPP=_LUT_CONTEXTS, BATCHED=batched,
                     **{key: v for key, v in c.items() if key in ("OFF_MAP", "NCLS", "OFF_TABLES", "TABLE_BYTES", "NS2")},
                     num_warps=4)
     ends = torch.cumsum(sizes.view(k, nb), 1)
