@@ -25,6 +25,21 @@ def test_bench_codec_smoke(capsys):
     assert "| delta | reference | 1 |" in out and "| delta | native | 2 |" in out
 
 
+
+@pytest.mark.parametrize("speed,verdict", [(0.58, "met"), (0.30, "MISSED")])
+def test_bench_codec_judges_delta_ans_against_the_peers_on_the_xor(speed, verdict):
+    """delta_ans has no clone() or thread target: one verdict per peer grouping, on the XOR with
+    the previous values (faster AND fewer bytes)."""
+    bc = load("bench_codec")
+    row = lambda codec, impl, threads, clock, gbps, wire: {  # noqa: E731
+        "lr": 1e-4, "codec": codec, "impl": impl, "threads": threads, "clock": clock, "both_GBps": gbps,
+        "wire_over_raw": wire, "encode_vs_clone": 0.08, "decode_vs_clone": 0.13}
+    rows = [row("delta_ans", "native", 1, clock, speed, 0.116) for clock in ("cpu", "wall")]
+    rows += [row("zipnn (xor prev)", "peer", 1, "cpu", 0.43, 0.236)]
+    lines = bc.verdicts(rows, lrs=[1e-4], codecs=["delta_ans"], threads=[1, 2])
+    assert len(lines) == 2 and "clone()" not in " ".join(lines)
+    assert lines[0].startswith("lr 0.0001 delta_ans vs the peers on xor prev") and f": {verdict} (" in lines[0]
+
 def test_bench_codec_model_layout_smoke(capsys):
     assert load("bench_codec").main(["--smoke", "--layout", "model", "--no-timing"]) == 0
     out = capsys.readouterr().out
