@@ -84,8 +84,8 @@ class Gpu:
 H200 = Gpu("H200 SXM", sms=132, schedulers=4, clock_ghz=1.98, hbm_gbs=4800.0)
 ARCHS = (80, 90)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-CODECS = ("delta", "exponent_reuse")
-RATIO = {"delta": 0.18, "exponent_reuse": 0.56}
+CODECS = ("delta", "exponent_reuse", "delta_ans")
+RATIO = {"delta": 0.18, "exponent_reuse": 0.56, "delta_ans": 0.12}
 """Default wire/raw ratios for the payload's traffic (the codecs' targets at lr 1e-4)."""
 
 
@@ -307,9 +307,10 @@ def minimal_bytes(codec: str, path: str, itemsize: int, wire: float) -> tuple[fl
     One pass: every input read once, every output written once. delta's encoder cannot pack a
     value before the width table is known, and the table needs a histogram of the whole shard:
     any implementation of this format reads (new, previous) twice, so its format minimum is the
-    two-pass one (a format that froze the table one step earlier would not). Every other path
-    has format minimum = one-pass minimum."""
-    if codec == "delta":
+    two-pass one (a format that froze the table one step earlier would not). delta_ans likewise
+    (its frequency tables are the whole shard's histogram). Every other path has format minimum =
+    one-pass minimum."""
+    if codec in ("delta", "delta_ans"):
         if path == "encode":  # read new + previous (twice for the format), write the state (= new), the payload
             return 3 * itemsize + wire, 5 * itemsize + wire, "2 reads of new+prev, state + payload written"
         return 2 * itemsize + wire, 2 * itemsize + wire, "previous read, values + payload: read/written once"
@@ -432,7 +433,7 @@ def _num(x, digits: int) -> str:
 
 def markdown(rows, summary, args) -> str:
     lines = [f"Static estimates, not measurements: `python tools/kernel_report.py --numel {args.numel}` "
-             f"(wire ratios {args.ratio_delta} delta, {args.ratio_er} exponent_reuse; {H200.name}: "
+             f"(wire ratios {args.ratio_delta} delta, {args.ratio_er} exponent_reuse, {args.ratio_ans} delta_ans; {H200.name}: "
              f"{H200.sms} SMs x {H200.schedulers} x {H200.clock_ghz} GHz, {H200.hbm_gbs / 1000:.1f} TB/s).", "",
              "### Per path (sm_90, all launches of the path together)", "",
              "| codec | dtype | path | launches (torch ops) | SASS warp-instr/value | bytes/value | one-pass min | "
@@ -454,8 +455,9 @@ def markdown(rows, summary, args) -> str:
               "*One-pass min*: every input read once and every output written once (delta encode: new + previous "
               "read, state + payload written; exponent_reuse encode: new + previous exponents (1 B) read, state "
               "(1 B) + payload written; decodes: previous values read, new values + payload read/written once). "
-              "*Format min*: the same, except delta encode, which must read new + previous twice (the width table "
-              "is a histogram of the whole shard and must be known before any value is packed).",
+              "*Format min*: the same, except delta and delta_ans encode, which must read new + previous twice (the "
+              "width or frequency tables are a histogram of the whole shard and must be known before any value is "
+              "coded).",
               "", "### Per kernel (sm_80 and sm_90)", "",
               "| codec | dtype | arch | path | kernel | programs | warps | values/program | regs | spill B | "
               "smem B | loops | SASS/program | warp-instr/value | bytes/value |",
@@ -491,6 +493,7 @@ def main(argv=None):
     p.add_argument("--archs", nargs="+", type=int, default=list(ARCHS))
     p.add_argument("--ratio-delta", type=float, default=RATIO["delta"])
     p.add_argument("--ratio-er", type=float, default=RATIO["exponent_reuse"])
+    p.add_argument("--ratio-ans", type=float, default=RATIO["delta_ans"])
     p.add_argument("--json", type=Path, help="write rows and summary here")
     p.add_argument("--count-archs", nargs="+", type=int, default=None,
                    help="archs whose SASS is disassembled and counted (default: all of --archs); the others "
@@ -498,7 +501,7 @@ def main(argv=None):
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="processes compiling (codec, dtype, arch) combinations side by side")
     args = p.parse_args(argv)
-    ratio_of = {"delta": args.ratio_delta, "exponent_reuse": args.ratio_er}
+    ratio_of = {"delta": args.ratio_delta, "exponent_reuse": args.ratio_er, "delta_ans": args.ratio_ans}
     counted = set(args.archs if args.count_archs is None else args.count_archs)
     tasks = [(codec, dname, arch, args.numel, ratio_of[codec], args.world, arch in counted)
              for codec in args.codecs for dname in args.dtypes for arch in args.archs]

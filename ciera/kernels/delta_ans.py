@@ -45,13 +45,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ciera.codecs.base import HEADER_BYTES, align_up
-from ciera.codecs.delta_ans import DIRECT, LANES, PROB_BITS, RAW_MARK, STATE_LOW, DeltaAnsLayout
+from ciera.codecs.delta_ans import LANES, RAW_MARK, DeltaAnsLayout
 
+_MARK = tl.constexpr(RAW_MARK)
+"""The raw marker, visible inside kernels."""
 _HIST_VALUES = 4096
 """Values per ``_hist`` program: amortises its per-bin atomics."""
-_CHUNK = 64
+_CHUNK = 16
 """Words (or raw values) per lane moved per trip of ``_emit``'s and ``_decode_blocks``' copy loops."""
+_EMIT_WARPS = 4
+"""``_emit``: its [32, _CHUNK] copies over 4 warps (a block's 32 lanes are not a warp there)."""
+_TABLE_CONTEXTS = 32
+"""Contexts per trip of ``_table`` and ``_head`` (keeps their [contexts, symbols] tiles in registers)."""
 _LUT_CONTEXTS = 8
 """Contexts per ``_lut`` program (the mapped ones of a shard are a few neighbouring exponents)."""
 _NO_ERROR = 99
@@ -67,12 +72,23 @@ _ERRORS = {
     8: "a stream does not end on its last word and initial state",
 }
 """Device error codes, in the order the reference makes its checks, and the reference's words."""
-REPORT_LOOP_TRIPS = {"_encode_blocks": 1024, "_emit": 32, "_decode_blocks": 1024, "_sizes": None,
-                     "_lut": None, "_hist": None, "_table": None}
-"""Trips of each runtime loop, for tools/kernel_report.py: the encoder's and decoder's step loops
-run ``L`` = 1024 times at the default block size (their other loops, raw blocks and the copy of
-words, are counted at the same figure: an upper bound); ``_emit`` copies up to ``max_words`` words
-per lane in chunks of ``_CHUNK`` (about 1.8 words per value at ~0.12 of raw: ~32 trips)."""
+REPORT_WIRE_RATIO = 0.12
+"""Wire bytes over raw bytes assumed for the trips of the copy of words (AdamW steps, lr 1e-4)."""
+REPORT_LOOP_TRIPS = {
+    "_encode_blocks": lambda c: c["B"] // 32,
+    "_emit": lambda c: [1, max(1, int(REPORT_WIRE_RATIO * c["W"] * c["B"] / 32 / 16 / c["CH"])),
+                        c["B"] // (32 * c["CH"])],
+    "_head": lambda c: c["NCLS"] // c["CC"],
+    "_table": lambda c: c["NCLS"] // c["CC"],
+    "_lut": lambda c: c["CPP"],
+    "_decode_blocks": lambda c: [c["B"] // 32, 1],
+}
+"""Trips of each runtime loop (in SASS order), for tools/kernel_report.py, from the kernel's
+constexprs: the encoder's and decoder's step loops run ``L = B / 32`` times; ``_emit`` stores an
+entropy-coded block (its raw-block loop: 1 trip), copies each lane's words (``REPORT_WIRE_RATIO``
+x ``W`` x ``L`` / 16 words a lane, ``CH`` a trip) and writes the state (``B / (32 CH)`` trips);
+``_decode_blocks``' raw loop runs once for an entropy-coded block; ``_table``, ``_head`` and
+``_lut`` walk their contexts ``CC`` / ``CPP`` at a time."""
 
 
 @triton.jit
@@ -112,26 +128,31 @@ def _hist(shard_ptr, state_ptr, hist_ptr, n, W: tl.constexpr, MANT: tl.constexpr
 
 
 @triton.jit
-def _table(hist_ptr, tab_ptr, rank_ptr, ntab_ptr, NCLS: tl.constexpr, A: tl.constexpr, AP: tl.constexpr):
+def _table(hist_ptr, tab_ptr, rank_ptr, ntab_ptr, NCLS: tl.constexpr, A: tl.constexpr, AP: tl.constexpr,
+           CC: tl.constexpr):
     """Frequencies (quantize's rule) packed ``f | cum << 13`` per (context, symbol); each context's
-    rank among the mapped ones (-1: unmapped); their number; then clear the histogram."""
-    c = tl.arange(0, NCLS)[:, None]
+    rank among the mapped ones (-1: unmapped); their number; then clear the histogram. ``CC``
+    contexts a trip."""
     s = tl.arange(0, AP)[None, :]
-    inside = (s < A) & (c >= 0)
-    h = tl.load(hist_ptr + c * A + s, mask=inside, other=0).to(tl.int64)
-    tl.store(hist_ptr + c * A + s, tl.zeros([NCLS, AP], tl.int32), mask=inside)
-    total = tl.sum(h, axis=1)
-    mapped = total > 0
-    f = h * 4096 // tl.maximum(total, 1)[:, None]
-    f = tl.where((h > 0) & (f == 0), 1, f)
-    top = tl.argmax(h, axis=1, tie_break_left=True)
-    f += tl.where(s == top[:, None], 4096 - tl.sum(f, axis=1)[:, None], 0)
-    f = tl.where(mapped[:, None], f, 0)
-    cum = tl.cumsum(f, axis=1) - f
-    tl.store(tab_ptr + c * AP + s, (f | (cum << 13)).to(tl.int32))
-    m = mapped.to(tl.int32)
-    tl.store(rank_ptr + tl.arange(0, NCLS), tl.where(mapped, tl.cumsum(m, axis=0) - 1, -1))
-    tl.store(ntab_ptr, tl.sum(m, axis=0))
+    n_tab = tl.program_id(0) * 0
+    for c0 in range(0, NCLS, CC):
+        c = c0 + tl.arange(0, CC)[:, None]
+        inside = (s < A) & (c >= 0)
+        h = tl.load(hist_ptr + c * A + s, mask=inside, other=0).to(tl.int64)
+        tl.store(hist_ptr + c * A + s, tl.zeros([CC, AP], tl.int32), mask=inside)
+        total = tl.sum(h, axis=1)
+        mapped = total > 0
+        f = h * 4096 // tl.maximum(total, 1)[:, None]
+        f = tl.where((h > 0) & (f == 0), 1, f)
+        top = tl.argmax(h, axis=1, tie_break_left=True)
+        f += tl.where(s == top[:, None], 4096 - tl.sum(f, axis=1)[:, None], 0)
+        f = tl.where(mapped[:, None], f, 0)
+        cum = tl.cumsum(f, axis=1) - f
+        tl.store(tab_ptr + c * AP + s, (f | (cum << 13)).to(tl.int32))
+        m = mapped.to(tl.int32)
+        tl.store(rank_ptr + c0 + tl.arange(0, CC), tl.where(mapped, n_tab + tl.cumsum(m, axis=0) - 1, -1))
+        n_tab += tl.sum(m, axis=0)
+    tl.store(ntab_ptr, n_tab)
 
 
 @triton.jit
@@ -196,15 +217,9 @@ def _off_data(n_tab, OFF_TABLES: tl.constexpr, TABLE_BYTES: tl.constexpr, NS2: t
 
 
 @triton.jit
-def _emit(shard_ptr, state_ptr, out_ptr, tab_ptr, rank_ptr, ntab_ptr, words_ptr, cnt_ptr, xfin_ptr, bytes_ptr,
-          raw_ptr, ends_ptr, needed_ptr, n, n_blocks, cap,
-          W: tl.constexpr, MANT: tl.constexpr, EXPMASK: tl.constexpr, A: tl.constexpr, AP: tl.constexpr,
-          B: tl.constexpr, MW: tl.constexpr, S: tl.constexpr, NCLS: tl.constexpr, OFF_MAP: tl.constexpr,
-          MAP_BYTES: tl.constexpr, OFF_TABLES: tl.constexpr, TABLE_BYTES: tl.constexpr, NS2: tl.constexpr,
-          MAX_BYTES: tl.constexpr, CH: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    lane = tl.arange(0, 32)
-    nvb = tl.minimum(n - b * B, B)
+def _sections(ntab_ptr, ends_ptr, n_blocks, OFF_TABLES: tl.constexpr, TABLE_BYTES: tl.constexpr,
+              NS2: tl.constexpr, MAX_BYTES: tl.constexpr):
+    """(tables, off_counts, off_data, needed, whole shard raw) of the payload being encoded."""
     n_tab = tl.load(ntab_ptr).to(tl.int64)
     off_counts, off_data = _off_data(n_tab, OFF_TABLES, TABLE_BYTES, NS2)
     needed = off_data + tl.load(ends_ptr + n_blocks - 1)
@@ -213,17 +228,29 @@ def _emit(shard_ptr, state_ptr, out_ptr, tab_ptr, rank_ptr, ntab_ptr, words_ptr,
         n_tab = n_tab * 0
         off_counts, off_data = _off_data(n_tab, OFF_TABLES, TABLE_BYTES, NS2)
         needed = needed * 0 + MAX_BYTES
+    return n_tab, off_counts, off_data, needed, whole_raw
+
+
+@triton.jit
+def _emit(shard_ptr, state_ptr, out_ptr, ntab_ptr, words_ptr, cnt_ptr, xfin_ptr, bytes_ptr, raw_ptr, ends_ptr,
+          n, n_blocks, cap, W: tl.constexpr, MANT: tl.constexpr, EXPMASK: tl.constexpr, B: tl.constexpr,
+          MW: tl.constexpr, S: tl.constexpr, OFF_TABLES: tl.constexpr, TABLE_BYTES: tl.constexpr,
+          NS2: tl.constexpr, MAX_BYTES: tl.constexpr, CH: tl.constexpr):
+    """Block ``program_id(0)``: its counts and data (when the payload fits), its new sender state."""
+    b = tl.program_id(0).to(tl.int64)
+    lane = tl.arange(0, 32)
+    nvb = tl.minimum(n - b * B, B)
+    n_tab, off_counts, off_data, needed, whole_raw = _sections(ntab_ptr, ends_ptr, n_blocks, OFF_TABLES,
+                                                               TABLE_BYTES, NS2, MAX_BYTES)
+    if whole_raw:
         start = off_data + b * (B * S)
         raw = whole_raw
     else:
         start = off_data + tl.load(ends_ptr + b) - tl.load(bytes_ptr + b)
         raw = tl.load(raw_ptr + b) != 0
-    if b == 0:
-        tl.store(needed_ptr, needed)
-    fits = needed <= cap
     cnt = tl.load(cnt_ptr + b * 32 + lane)
-    if fits:
-        _store_le(out_ptr + off_counts + 2 * (b * 32 + lane), tl.where(raw, RAW_MARK, cnt), lane >= 0, 2)
+    if needed <= cap:
+        _store_le(out_ptr + off_counts + 2 * (b * 32 + lane), tl.where(raw, _MARK, cnt), lane >= 0, 2)
         if raw:
             for i0 in range(0, nvb, 32 * CH):
                 j = i0 + tl.arange(0, 32 * CH)
@@ -235,34 +262,45 @@ def _emit(shard_ptr, state_ptr, out_ptr, tab_ptr, rank_ptr, ntab_ptr, words_ptr,
             sb = tl.where(nvl > 0, 4 + 2 * cnt.to(tl.int64), 0)
             ls = start + tl.cumsum(sb, axis=0) - sb
             _store_le(out_ptr + ls, tl.load(xfin_ptr + b * 32 + lane), nvl > 0, 4)
-            top = tl.max(cnt, axis=0)
-            for p0 in range(0, top, CH):
+            # The r-th word a lane emitted is its (count - 1 - r)-th in reading order.
+            for p0 in range(0, tl.max(cnt, axis=0), CH):
                 p = p0 + tl.arange(0, CH)[None, :]
                 m = p < cnt[:, None]
                 w = tl.load(words_ptr + b * (MW * 32) + (cnt[:, None] - 1 - p).to(tl.int64) * 32 + lane[:, None],
-                            mask=m, other=0).to(tl.int64) & 0xFFFF
+                            mask=m, other=0).to(tl.int32) & 0xFFFF
                 _store_le(out_ptr + ls[:, None] + 4 + 2 * p, w, m, 2)
-        if b == 0:
-            # The map, the tables and the zero bytes that align each section.
-            r = tl.load(rank_ptr + tl.arange(0, NCLS))
-            bits = tl.reshape(tl.where((r >= 0) & (n_tab > 0), 1, 0), [MAP_BYTES, 8])
-            mbyte = tl.sum(bits << tl.arange(0, 8)[None, :], axis=1)
-            tl.store(out_ptr + OFF_MAP + tl.arange(0, MAP_BYTES), mbyte.to(tl.uint8))
-            s = tl.arange(0, AP)[None, :]
-            f = tl.load(tab_ptr + tl.arange(0, NCLS)[:, None] * AP + s) & 0x1FFF
-            if n_tab > 0:
-                _store_le(out_ptr + OFF_TABLES + r[:, None].to(tl.int64) * TABLE_BYTES + 2 * s, f,
-                          (r[:, None] >= 0) & (s < A), 2)
-            g = tl.arange(0, 16)
-            zero = tl.zeros([16], tl.uint8)
-            tl.store(out_ptr + OFF_MAP + MAP_BYTES + g, zero, mask=OFF_MAP + MAP_BYTES + g < OFF_TABLES)
-            e = OFF_TABLES + n_tab * TABLE_BYTES
-            tl.store(out_ptr + e + g, zero, mask=e + g < off_counts)
-            tl.store(out_ptr + off_counts + NS2 + g, zero, mask=off_counts + NS2 + g < off_data)
     for i0 in range(0, nvb, 32 * CH):  # the new sender state, after every read of the old one
         j = i0 + tl.arange(0, 32 * CH)
         v = j < nvb
         tl.store(state_ptr + b * B + j, tl.load(shard_ptr + b * B + j, mask=v), mask=v)
+
+
+@triton.jit
+def _head(out_ptr, tab_ptr, rank_ptr, ntab_ptr, ends_ptr, needed_ptr, n_blocks, cap, A: tl.constexpr,
+          AP: tl.constexpr, NCLS: tl.constexpr, CC: tl.constexpr, OFF_MAP: tl.constexpr, MAP_BYTES: tl.constexpr,
+          OFF_TABLES: tl.constexpr, TABLE_BYTES: tl.constexpr, NS2: tl.constexpr, MAX_BYTES: tl.constexpr):
+    """The bytes needed; when the payload fits, the map, the tables (``CC`` contexts a trip) and the
+    zero bytes that align each section."""
+    n_tab, off_counts, off_data, needed, whole_raw = _sections(ntab_ptr, ends_ptr, n_blocks, OFF_TABLES,
+                                                               TABLE_BYTES, NS2, MAX_BYTES)
+    tl.store(needed_ptr, needed)
+    if needed <= cap:
+        r = tl.load(rank_ptr + tl.arange(0, NCLS))
+        bits = tl.reshape(tl.where((r >= 0) & (n_tab > 0), 1, 0), [MAP_BYTES, 8])
+        tl.store(out_ptr + OFF_MAP + tl.arange(0, MAP_BYTES), tl.sum(bits << tl.arange(0, 8)[None, :], axis=1).to(tl.uint8))
+        if n_tab > 0:
+            s = tl.arange(0, AP)[None, :]
+            for c0 in range(0, NCLS, CC):
+                c = c0 + tl.arange(0, CC)[:, None]
+                rc = tl.load(rank_ptr + c)
+                f = tl.load(tab_ptr + c * AP + s) & 0x1FFF
+                _store_le(out_ptr + OFF_TABLES + rc.to(tl.int64) * TABLE_BYTES + 2 * s, f, (rc >= 0) & (s < A), 2)
+        g = tl.arange(0, 16)
+        zero = tl.zeros([16], tl.uint8)
+        tl.store(out_ptr + OFF_MAP + MAP_BYTES + g, zero, mask=OFF_MAP + MAP_BYTES + g < OFF_TABLES)
+        e = OFF_TABLES + n_tab * TABLE_BYTES
+        tl.store(out_ptr + e + g, zero, mask=e + g < off_counts)
+        tl.store(out_ptr + off_counts + NS2 + g, zero, mask=off_counts + NS2 + g < off_data)
 
 
 @triton.jit
@@ -312,7 +350,7 @@ def _sizes(payload_ptr, offsets_ptr, bytes_ptr, err_ptr, plen, n, n_blocks,
     inside = off_data <= length
     cnt = (tl.load(payload_ptr + at, mask=_spread(inside, lane), other=0).to(tl.int64)
            | tl.load(payload_ptr + at + 1, mask=_spread(inside, lane), other=0).to(tl.int64) << 8)
-    marks = cnt == RAW_MARK
+    marks = cnt == _MARK
     raw = tl.sum(marks.to(tl.int32), axis=0) > 0
     first = tl.sum(tl.where(lane == 0, marks.to(tl.int32), 0), axis=0) > 0
     _fail(err_ptr, 3, inside & raw & ~first)  # (the reference's check: some marked, the first not)
@@ -388,7 +426,7 @@ def _decode_blocks(payload_ptr, target_ptr, rows_ptr, offsets_ptr, bytes_ptr, en
     at = pbase + off_counts + 2 * (b * 32 + lane)
     cnt = (tl.load(payload_ptr + at, mask=_spread(inside, lane), other=0).to(tl.int64)
            | tl.load(payload_ptr + at + 1, mask=_spread(inside, lane), other=0).to(tl.int64) << 8)
-    marks = cnt == RAW_MARK
+    marks = cnt == _MARK
     nvb = tl.minimum(n - b * B, B)
     # A block is raw when its first stream is marked; streams not marked are entropy-coded (a raw
     # block with unmarked streams is corrupt: they are decoded, as the reference does, for its checks,
@@ -404,7 +442,7 @@ def _decode_blocks(payload_ptr, target_ptr, rows_ptr, offsets_ptr, bytes_ptr, en
             x |= tl.load(payload_ptr + ls + t, mask=live & (ls + t < lim), other=0).to(tl.int64) << (8 * t)
         word_at = ls + 4
         end = word_at + 2 * cnt
-        lim = tl.minimum(end, lim)
+        stop = tl.minimum(end, lim)  # word reads stay inside the stream and the payload
         past = tl.zeros([32], tl.int1)
         orphan = tl.zeros([32], tl.int1)
         steps = (nvb + 31) // 32
@@ -421,16 +459,16 @@ def _decode_blocks(payload_ptr, target_ptr, rows_ptr, offsets_ptr, bytes_ptr, en
             p = tl.load(lut_row + ctx * 4096 + slot, mask=v & (has != 0), other=1 << 6).to(tl.int64)
             sym = p & 63
             x = tl.where(v, ((p >> 6) & 0x1FFF) * (x >> 12) + slot - (p >> 19), x)
-            x, word_at = _refill(x, word_at, v & (x < 65536), payload_ptr, lim)
+            x, word_at = _refill(x, word_at, v & (x < 65536), payload_ptr, stop)
             k = tl.where(sym >= 16, sym - 12, 0)
             lo_n = tl.minimum(k, 16)
             lo = x & ((tl.full([32], 1, tl.int64) << lo_n) - 1)
             x = tl.where(v, x >> lo_n, x)
-            x, word_at = _refill(x, word_at, v & (lo_n > 0) & (x < 65536), payload_ptr, lim)
+            x, word_at = _refill(x, word_at, v & (lo_n > 0) & (x < 65536), payload_ptr, stop)
             hi_n = tl.maximum(k - 16, 0)
             hi = x & ((tl.full([32], 1, tl.int64) << hi_n) - 1)
             x = tl.where(v, x >> hi_n, x)
-            x, word_at = _refill(x, word_at, v & (hi_n > 0) & (x < 65536), payload_ptr, lim)
+            x, word_at = _refill(x, word_at, v & (hi_n > 0) & (x < 65536), payload_ptr, stop)
             past = past | (v & (word_at > end))
             z = tl.where(sym < 16, sym, (tl.full([32], 1, tl.int64) << k) | (hi << 16) | lo)
             u = (old + ((z >> 1) ^ -(z & 1))) & M
@@ -452,16 +490,15 @@ def _decode_blocks(payload_ptr, target_ptr, rows_ptr, offsets_ptr, bytes_ptr, en
 
 # -- launchers -------------------------------------------------------------------------------------
 def _consts(layout: DeltaAnsLayout) -> dict:
-    """Constexprs shared by the kernels of one layout."""
-    fmt = layout.fmt
+    """Constexprs of the payload's sections shared by the kernels of one layout."""
     return dict(OFF_MAP=layout.off_map, NCLS=layout.n_classes, OFF_TABLES=layout.off_tables,
                 TABLE_BYTES=layout.table_bytes, NS2=2 * layout.n_streams, B=layout.block_size,
                 S=layout.high_bytes, MW=layout.max_words)
 
 
 def _fmt_consts(layout: DeltaAnsLayout) -> dict:
-    fmt = layout.fmt
-    return dict(W=layout.width, MANT=fmt.mant_bits, EXPMASK=layout.n_classes - 1)
+    """Constexprs of the value format."""
+    return dict(W=layout.width, MANT=layout.fmt.mant_bits, EXPMASK=layout.n_classes - 1)
 
 
 def _ap(layout: DeltaAnsLayout) -> int:
@@ -496,7 +533,7 @@ def encode_triton(*, layout: DeltaAnsLayout, shard_bits: torch.Tensor, state: to
     tab = torch.empty(NCLS * AP, dtype=torch.int32, device=dev)
     rank = torch.empty(NCLS, dtype=torch.int32, device=dev)
     ntab = torch.empty(1, dtype=torch.int32, device=dev)
-    _table[(1,)](hist, tab, rank, ntab, NCLS=NCLS, A=A, AP=AP, num_warps=8)
+    _table[(1,)](hist, tab, rank, ntab, NCLS=NCLS, A=A, AP=AP, CC=_TABLE_CONTEXTS, num_warps=4)
     words = torch.empty(nb * layout.max_words * LANES, dtype=torch.int16, device=dev)
     cnt = torch.empty(layout.n_streams, dtype=torch.int32, device=dev)
     xfin = torch.empty(layout.n_streams, dtype=torch.int64, device=dev)
@@ -507,9 +544,13 @@ def encode_triton(*, layout: DeltaAnsLayout, shard_bits: torch.Tensor, state: to
     ends = torch.cumsum(sizes, 0)
     needed = torch.empty(1, dtype=torch.int64, device=dev)
     c = _consts(layout)
-    _emit[(nb,)](shard_bits, state, out, tab, rank, ntab, words, cnt, xfin, sizes, raw, ends, needed, n, nb,
-                 out.numel(), A=A, AP=AP, MAP_BYTES=layout.map_bytes,
-                 MAX_BYTES=layout.off_data(0) + n * layout.high_bytes, CH=_CHUNK, **c, **fc, num_warps=1)
+    sec = dict(OFF_TABLES=c["OFF_TABLES"], TABLE_BYTES=c["TABLE_BYTES"], NS2=c["NS2"],
+               MAX_BYTES=layout.off_data(0) + n * layout.high_bytes)
+    _emit[(nb,)](shard_bits, state, out, ntab, words, cnt, xfin, sizes, raw, ends, n, nb, out.numel(),
+                 B=layout.block_size, MW=layout.max_words, S=layout.high_bytes, CH=_CHUNK, **sec, **fc,
+                 num_warps=_EMIT_WARPS)
+    _head[(1,)](out, tab, rank, ntab, ends, needed, nb, out.numel(), A=A, AP=AP, NCLS=NCLS, CC=_TABLE_CONTEXTS,
+                OFF_MAP=layout.off_map, MAP_BYTES=layout.map_bytes, **sec, num_warps=4)
     return needed[0]
 
 

@@ -32,7 +32,7 @@ def test_every_kernel_compiles_for_sm80_and_sm90_and_the_report_runs(tmp_path):
     report = json.loads(out.read_text())
     rows = [r for r in report["rows"] if not r["kernel"].startswith("torch.")]
     seen = {(r["codec"], r["dtype"], r["arch"], r["path"]) for r in rows}
-    for codec in ("delta", "exponent_reuse"):
+    for codec in ("delta", "exponent_reuse", "delta_ans"):
         for dtype in ("bfloat16", "float16", "float32"):
             for arch in ("sm_80", "sm_90"):
                 for path in ("encode", "decode"):
