@@ -396,9 +396,10 @@ def _lut(payload_ptr, offsets_ptr, lut_ptr, err_ptr, plen,
 
 @triton.jit
 def _refill(x, at, need, payload_ptr, lim):
-    """``x << 16 | word at`` where ``need`` (reads stay below byte ``lim``); the next word's address."""
-    w = (tl.load(payload_ptr + at, mask=need & (at < lim), other=0).to(tl.int64)
-         | tl.load(payload_ptr + at + 1, mask=need & (at + 1 < lim), other=0).to(tl.int64) << 8)
+    """``x << 16 | word at`` where ``need`` (reads stay below byte ``lim``); the next word's address.
+    ``x`` is uint32: a refill only follows ``x < 2^16``."""
+    w = (tl.load(payload_ptr + at, mask=need & (at < lim), other=0).to(tl.uint32)
+         | tl.load(payload_ptr + at + 1, mask=need & (at + 1 < lim), other=0).to(tl.uint32) << 8)
     return tl.where(need, (x << 16) | w, x), at + 2 * need.to(tl.int64)
 
 
@@ -407,7 +408,7 @@ def _decode_blocks(payload_ptr, target_ptr, rows_ptr, offsets_ptr, bytes_ptr, en
                    plen, n, n_blocks, W: tl.constexpr, MANT: tl.constexpr, EXPMASK: tl.constexpr,
                    OFF_MAP: tl.constexpr, NCLS: tl.constexpr, OFF_TABLES: tl.constexpr, TABLE_BYTES: tl.constexpr,
                    NS2: tl.constexpr, B: tl.constexpr, S: tl.constexpr, MW: tl.constexpr, CH: tl.constexpr,
-                   BATCHED: tl.constexpr):
+                   UT: tl.constexpr, BATCHED: tl.constexpr):
     M: tl.constexpr = (1 << W) - 1
     row = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
@@ -437,9 +438,11 @@ def _decode_blocks(payload_ptr, target_ptr, rows_ptr, offsets_ptr, bytes_ptr, en
         live = (nvl > 0) & ~marks
         sb = tl.where(live, 4 + 2 * cnt, 0)
         ls = start + tl.cumsum(sb, axis=0) - sb
-        x = tl.zeros([32], tl.int64)
+        # The state in uint32: it starts below 2^32 (4 bytes) and no step takes it past
+        # (f (x >> 12) + slot - c < f 2^20 <= 2^32; a refill follows x < 2^16), corrupt or not.
+        x = tl.zeros([32], tl.uint32)
         for t in tl.static_range(4):
-            x |= tl.load(payload_ptr + ls + t, mask=live & (ls + t < lim), other=0).to(tl.int64) << (8 * t)
+            x |= tl.load(payload_ptr + ls + t, mask=live & (ls + t < lim), other=0).to(tl.uint32) << (8 * t)
         word_at = ls + 4
         end = word_at + 2 * cnt
         stop = tl.minimum(end, lim)  # word reads stay inside the stream and the payload
@@ -451,26 +454,27 @@ def _decode_blocks(payload_ptr, target_ptr, rows_ptr, offsets_ptr, bytes_ptr, en
         for t in range(0, steps):
             j = t * 32 + lane
             v = (j < nvb) & ~marks
-            old = tl.load(target_ptr + b * B + j, mask=v, other=0).to(tl.int64) & M
-            ctx = (old >> MANT) & EXPMASK
-            has = (tl.load(payload_ptr + pbase + OFF_MAP + ctx // 8, mask=v, other=0).to(tl.int32) >> (ctx % 8)) & 1
+            old = tl.load(target_ptr + b * B + j, mask=v, other=0).to(UT) & M
+            ctx = ((old >> MANT) & EXPMASK).to(tl.int32)
+            has = (tl.load(payload_ptr + pbase + OFF_MAP + (ctx >> 3), mask=v, other=0).to(tl.int32) >> (ctx & 7)) & 1
             orphan = orphan | (v & (has == 0))
             slot = x & 4095
-            p = tl.load(lut_row + ctx * 4096 + slot, mask=v & (has != 0), other=1 << 6).to(tl.int64)
+            p = tl.load(lut_row + ctx * 4096 + slot, mask=v & (has != 0), other=1 << 6)
             sym = p & 63
-            x = tl.where(v, ((p >> 6) & 0x1FFF) * (x >> 12) + slot - (p >> 19), x)
+            x = tl.where(v, ((p >> 6) & 0x1FFF).to(tl.uint32) * (x >> 12) + slot - (p >> 19).to(tl.uint32), x)
             x, word_at = _refill(x, word_at, v & (x < 65536), payload_ptr, stop)
             k = tl.where(sym >= 16, sym - 12, 0)
-            lo_n = tl.minimum(k, 16)
-            lo = x & ((tl.full([32], 1, tl.int64) << lo_n) - 1)
+            lo_n = tl.minimum(k, 16).to(tl.uint32)
+            lo = x & ((tl.full([32], 1, tl.uint32) << lo_n) - 1)
             x = tl.where(v, x >> lo_n, x)
             x, word_at = _refill(x, word_at, v & (lo_n > 0) & (x < 65536), payload_ptr, stop)
-            hi_n = tl.maximum(k - 16, 0)
-            hi = x & ((tl.full([32], 1, tl.int64) << hi_n) - 1)
+            hi_n = tl.maximum(k - 16, 0).to(tl.uint32)
+            hi = x & ((tl.full([32], 1, tl.uint32) << hi_n) - 1)
             x = tl.where(v, x >> hi_n, x)
             x, word_at = _refill(x, word_at, v & (hi_n > 0) & (x < 65536), payload_ptr, stop)
             past = past | (v & (word_at > end))
-            z = tl.where(sym < 16, sym, (tl.full([32], 1, tl.int64) << k) | (hi << 16) | lo)
+            zu = tl.where(sym < 16, sym.to(tl.uint32), (tl.full([32], 1, tl.uint32) << k.to(tl.uint32)) | (hi << 16) | lo)
+            z = zu.to(UT) & M
             u = (old + ((z >> 1) ^ -(z & 1))) & M
             tl.store(target_ptr + b * B + j, u.to(target_ptr.dtype.element_ty), mask=v & keep)
         _fail(err_ptr, 6, tl.sum(orphan.to(tl.int32), axis=0) > 0)
@@ -614,7 +618,8 @@ def _decode(layout: DeltaAnsLayout, payload: torch.Tensor, targets: torch.Tensor
                     num_warps=4)
     ends = torch.cumsum(sizes.view(k, nb), 1)
     _decode_blocks[(k, nb)](payload, targets, rows, offsets, sizes, ends, lut, err, plen, n, nb, CH=_CHUNK,
-                            BATCHED=batched, **c, **_fmt_consts(layout), num_warps=1)
+                            UT=tl.int32 if layout.width <= 16 else tl.int64, BATCHED=batched, **c,
+                            **_fmt_consts(layout), num_warps=1)
     if dev.type == "cuda":
         _pending(dev).push(err)
     else:
