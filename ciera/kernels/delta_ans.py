@@ -93,21 +93,23 @@ x ``W`` x ``L`` / 16 words a lane, ``CH`` a trip) and writes the state (``B / (3
 
 @triton.jit
 def _bit_length(z, W: tl.constexpr):
-    """Bits needed by non-negative int64 ``z`` < 2^W (0 for 0), from the exponent of an exact float."""
+    """Bits needed by non-negative ``z`` < 2^W (0 for 0; ``z``'s dtype), from the exponent of an exact float."""
     if W <= 16:
         e = (z.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF
-        return tl.where(z == 0, 0, e - 126).to(tl.int64)
+        return tl.where(z == 0, 0, e - 126).to(z.dtype)
     else:
         e = (z.to(tl.float64).to(tl.int64, bitcast=True) >> 52) & 0x7FF
         return tl.where(z == 0, 0, e - 1022)
 
 
 @triton.jit
-def _z_ctx(shard_ptr, state_ptr, offs, mask, W: tl.constexpr, MANT: tl.constexpr, EXPMASK: tl.constexpr):
-    """(z, previous exponent, symbol, raw bit count) of the values at ``offs``, int64."""
+def _z_ctx(shard_ptr, state_ptr, offs, mask, W: tl.constexpr, MANT: tl.constexpr, EXPMASK: tl.constexpr,
+           UT: tl.constexpr):
+    """(z, previous exponent, symbol, raw bit count, new pattern) of the values at ``offs``, in ``UT``
+    (int32 for 16-bit formats, int64 for fp32)."""
     M: tl.constexpr = (1 << W) - 1
-    new = tl.load(shard_ptr + offs, mask=mask, other=0).to(tl.int64) & M
-    old = tl.load(state_ptr + offs, mask=mask, other=0).to(tl.int64) & M
+    new = tl.load(shard_ptr + offs, mask=mask, other=0).to(UT) & M
+    old = tl.load(state_ptr + offs, mask=mask, other=0).to(UT) & M
     d = (new - old) & M
     z = ((d << 1) ^ -(d >> (W - 1))) & M
     bl = _bit_length(z, W)
@@ -119,10 +121,10 @@ def _z_ctx(shard_ptr, state_ptr, offs, mask, W: tl.constexpr, MANT: tl.constexpr
 
 @triton.jit
 def _hist(shard_ptr, state_ptr, hist_ptr, n, W: tl.constexpr, MANT: tl.constexpr, EXPMASK: tl.constexpr,
-          A: tl.constexpr, NBINS: tl.constexpr, T: tl.constexpr):
+          A: tl.constexpr, NBINS: tl.constexpr, T: tl.constexpr, UT: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * T + tl.arange(0, T)
     valid = offs < n
-    z, ctx, sym, k, new = _z_ctx(shard_ptr, state_ptr, offs, valid, W, MANT, EXPMASK)
+    z, ctx, sym, k, new = _z_ctx(shard_ptr, state_ptr, offs, valid, W, MANT, EXPMASK, UT)
     h = tl.histogram((ctx * A + sym).to(tl.int32), NBINS, mask=valid)
     tl.atomic_add(hist_ptr + tl.arange(0, NBINS), h, mask=h > 0, sem="relaxed")
 
@@ -157,8 +159,9 @@ def _table(hist_ptr, tab_ptr, rank_ptr, ntab_ptr, NCLS: tl.constexpr, A: tl.cons
 
 @triton.jit
 def _put(x, active, nb, bits, cnt, wptr):
-    """One encoder event: emit ``x``'s low word when ``nb`` more bits would not fit, then push ``bits``."""
-    emit = active & ((x >> (32 - nb)) > 0)
+    """One encoder event: emit ``x``'s low word when ``nb`` (1..16 where ``active``) more bits would not
+    fit (``x >= 2^(32 - nb)``; a shift below 32), then push ``bits``. ``x``: uint32."""
+    emit = active & ((x >> (31 - nb)) > 1)
     tl.store(wptr + cnt.to(tl.int64) * 32, (x & 0xFFFF).to(tl.int16), mask=emit)
     x = tl.where(emit, x >> 16, x)
     x = tl.where(active, (x << nb) | bits, x)
@@ -168,11 +171,11 @@ def _put(x, active, nb, bits, cnt, wptr):
 @triton.jit
 def _encode_blocks(shard_ptr, state_ptr, tab_ptr, words_ptr, cnt_ptr, xfin_ptr, bytes_ptr, raw_ptr, n,
                    W: tl.constexpr, MANT: tl.constexpr, EXPMASK: tl.constexpr, AP: tl.constexpr, B: tl.constexpr,
-                   MW: tl.constexpr, S: tl.constexpr):
+                   MW: tl.constexpr, S: tl.constexpr, UT: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     lane = tl.arange(0, 32)
     nvb = tl.minimum(n - b * B, B)
-    x = tl.full([32], 65536, tl.int64)
+    x = tl.full([32], 65536, tl.uint32)  # in [2^16, 2^32) between steps
     cnt = tl.zeros([32], tl.int32)
     wptr = words_ptr + b * (MW * 32) + lane
     steps = (nvb + 31) // 32
@@ -180,16 +183,16 @@ def _encode_blocks(shard_ptr, state_ptr, tab_ptr, words_ptr, cnt_ptr, xfin_ptr, 
         t = steps - 1 - tt
         j = t * 32 + lane
         v = j < nvb
-        z, ctx, sym, k, new = _z_ctx(shard_ptr, state_ptr, b * B + j, v, W, MANT, EXPMASK)
-        p = tl.load(tab_ptr + ctx * AP + sym, mask=v, other=1).to(tl.int64)
-        low = z & ((tl.full([32], 1, tl.int64) << k) - 1)
-        hi_n = tl.maximum(k - 16, 0)
+        z, ctx, sym, k, new = _z_ctx(shard_ptr, state_ptr, b * B + j, v, W, MANT, EXPMASK, UT)
+        p = tl.load(tab_ptr + ctx * AP + sym, mask=v, other=1)
+        low = (z & ((tl.full([32], 1, UT) << k) - 1)).to(tl.uint32)
+        hi_n = tl.maximum(k - 16, 0).to(tl.uint32)
         x, cnt = _put(x, v & (hi_n > 0), hi_n, low >> 16, cnt, wptr)
-        lo_n = tl.minimum(k, 16)
+        lo_n = tl.minimum(k, 16).to(tl.uint32)
         x, cnt = _put(x, v & (lo_n > 0), lo_n, low & 0xFFFF, cnt, wptr)
-        f = tl.where(v, p & 0x1FFF, 1)
-        c = tl.where(v, p >> 13, 0)
-        emit = v & (x >= (f << 20))
+        f = tl.where(v, p & 0x1FFF, 1).to(tl.uint32)
+        c = tl.where(v, p >> 13, 0).to(tl.uint32)
+        emit = v & ((x >> 20) >= f)  # x >= f 2^20 (f 2^20 may be 2^32)
         tl.store(wptr + cnt.to(tl.int64) * 32, (x & 0xFFFF).to(tl.int16), mask=emit)
         cnt += emit.to(tl.int32)
         x = tl.where(emit, x >> 16, x)
@@ -235,7 +238,7 @@ def _sections(ntab_ptr, ends_ptr, n_blocks, OFF_TABLES: tl.constexpr, TABLE_BYTE
 def _emit(shard_ptr, state_ptr, out_ptr, ntab_ptr, words_ptr, cnt_ptr, xfin_ptr, bytes_ptr, raw_ptr, ends_ptr,
           n, n_blocks, cap, W: tl.constexpr, MANT: tl.constexpr, EXPMASK: tl.constexpr, B: tl.constexpr,
           MW: tl.constexpr, S: tl.constexpr, OFF_TABLES: tl.constexpr, TABLE_BYTES: tl.constexpr,
-          NS2: tl.constexpr, MAX_BYTES: tl.constexpr, CH: tl.constexpr):
+          NS2: tl.constexpr, MAX_BYTES: tl.constexpr, CH: tl.constexpr, UT: tl.constexpr):
     """Block ``program_id(0)``: its counts and data (when the payload fits), its new sender state."""
     b = tl.program_id(0).to(tl.int64)
     lane = tl.arange(0, 32)
@@ -255,7 +258,7 @@ def _emit(shard_ptr, state_ptr, out_ptr, ntab_ptr, words_ptr, cnt_ptr, xfin_ptr,
             for i0 in range(0, nvb, 32 * CH):
                 j = i0 + tl.arange(0, 32 * CH)
                 v = j < nvb
-                z, ctx, sym, k, new = _z_ctx(shard_ptr, state_ptr, b * B + j, v, W, MANT, EXPMASK)
+                z, ctx, sym, k, new = _z_ctx(shard_ptr, state_ptr, b * B + j, v, W, MANT, EXPMASK, UT)
                 _store_le(out_ptr + start + j * S, z, v, S)
         else:
             nvl = tl.maximum((nvb - lane + 31) // 32, 0)
@@ -502,7 +505,8 @@ def _consts(layout: DeltaAnsLayout) -> dict:
 
 def _fmt_consts(layout: DeltaAnsLayout) -> dict:
     """Constexprs of the value format."""
-    return dict(W=layout.width, MANT=layout.fmt.mant_bits, EXPMASK=layout.n_classes - 1)
+    return dict(W=layout.width, MANT=layout.fmt.mant_bits, EXPMASK=layout.n_classes - 1,
+                UT=tl.int32 if layout.width <= 16 else tl.int64)
 
 
 def _ap(layout: DeltaAnsLayout) -> int:
@@ -618,7 +622,7 @@ def _decode(layout: DeltaAnsLayout, payload: torch.Tensor, targets: torch.Tensor
                     num_warps=4)
     ends = torch.cumsum(sizes.view(k, nb), 1)
     _decode_blocks[(k, nb)](payload, targets, rows, offsets, sizes, ends, lut, err, plen, n, nb, CH=_CHUNK,
-                            UT=tl.int32 if layout.width <= 16 else tl.int64, BATCHED=batched, **c,
+                            BATCHED=batched, **c,
                             **_fmt_consts(layout), num_warps=1)
     if dev.type == "cuda":
         _pending(dev).push(err)
