@@ -52,7 +52,7 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # -- 1. every existing case, all implementations compared ---------------------------------------
 def _twins(codec: Codec, which: str, with_triton: bool):
     twins = [("native", getattr(native.codec_module(codec.name, required=True), f"{which}_native"))]
-    if with_triton and codec.kernels:  # delta_ans has no Triton twin yet
+    if with_triton and codec.kernels:  # every codec with a Triton twin (under the interpreter on CPU)
         import importlib
 
         twins.append(("triton", getattr(importlib.import_module(codec.kernels), f"{which}_triton")))
