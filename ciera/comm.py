@@ -14,26 +14,18 @@ all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 into ``output`` in rank order."""
 
 
-class _Completed:
-    """The work of a collective that completed before it was returned."""
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
 def all_gather_uneven(output: torch.Tensor, input: torch.Tensor, *, sizes: Sequence[int], group=None,
                       async_op: bool = True):
     """Every rank's ``input`` (``sizes[r]`` elements on rank ``r``) concatenated into ``output`` in
-    rank order; ``output`` holds ``sum(sizes)`` elements. Each rank sends and receives about
-    ``sum(sizes)`` elements, not ``world x max(sizes)`` as an equal all-gather.
+    rank order; ``output`` holds ``sum(sizes)`` elements. Each rank receives ``sum(sizes) -
+    sizes[rank]`` elements, not ``(world - 1) x max(sizes)`` as an equal all-gather.
 
     NCCL: torch's all-gather of unequal tensors (grouped broadcasts). Other backends (gloo rejects
-    unequal all-gathers): a ring of ``world - 1`` rounds of point-to-point transfers, round ``k``
-    passing block ``rank - k`` to the right neighbour while receiving block ``rank - k - 1`` from
-    the left; it completes before returning (a work whose ``wait()`` is free)."""
+    unequal all-gathers): every rank sends its block to each other rank and receives theirs, all
+    posted at once as one batch of point-to-point transfers (no transfer waits on another, so the
+    gather stays asynchronous like the equal one: the returned work's ``wait()`` waits for them).
+    Ranks post their gathers on a group in the same order (as every collective), so each pair's
+    transfers match in order. ``input`` and ``output`` must stay untouched until ``wait()``."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if len(sizes) != world or sum(sizes) != output.numel() or sizes[rank] != input.numel():
         raise ValueError(f"all_gather_uneven: sizes {list(sizes)} do not fit output {output.numel()} and "
@@ -42,12 +34,30 @@ def all_gather_uneven(output: torch.Tensor, input: torch.Tensor, *, sizes: Seque
     if dist.get_backend(group) == "nccl":
         return dist.all_gather(views, input, group=group, async_op=async_op)
     views[rank].copy_(input)
-    right = dist.get_global_rank(group, (rank + 1) % world) if group is not None else (rank + 1) % world
-    left = dist.get_global_rank(group, (rank - 1) % world) if group is not None else (rank - 1) % world
-    for k in range(world - 1):
-        send, recv = views[(rank - k) % world], views[(rank - k - 1) % world]
-        ops = ([dist.P2POp(dist.isend, send, right, group)] if send.numel() else []) + \
-              ([dist.P2POp(dist.irecv, recv, left, group)] if recv.numel() else [])
-        for work in dist.batch_isend_irecv(ops) if ops else ():
-            work.wait()
-    return _Completed()
+    peer = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
+    ops = []
+    for k in range(1, world):  # the k-th neighbour each way: every rank's sends spread over peers
+        to, frm = (rank + k) % world, (rank - k) % world
+        if sizes[rank]:
+            ops.append(dist.P2POp(dist.isend, views[rank], peer(to), group))
+        if sizes[frm]:
+            ops.append(dist.P2POp(dist.irecv, views[frm], peer(frm), group))
+    work = _Works(dist.batch_isend_irecv(ops) if ops else [])
+    if not async_op:
+        work.wait()
+    return work
+
+
+class _Works:
+    """Point-to-point transfers completed as one collective: ``wait()`` waits for each."""
+
+    def __init__(self, works):
+        self._works = list(works)
+
+    def wait(self, timeout=None) -> bool:
+        for w in self._works:
+            w.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)

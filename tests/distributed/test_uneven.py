@@ -27,6 +27,35 @@ def test_uneven_all_gather_places_every_block(world):
     assert all(run_on_ranks(_ring_worker, world=world))
 
 
+
+def _in_flight_worker(rank, world):
+    """Two gathers in flight at once (waited in reverse order), then one on a subgroup whose
+    group ranks differ from the global ones: every block in place, the works asynchronous."""
+    outs, works = [], []
+    for salt in (1, 2):
+        sizes = [(5 * r + salt) % 7 for r in range(world)]
+        out = torch.full((sum(sizes),), -1, dtype=torch.int32)
+        works.append(all_gather_uneven(out, torch.full((sizes[rank],), 10 * salt + rank, dtype=torch.int32),
+                                       sizes=sizes))
+        outs.append((out, sizes, salt))
+    for w in reversed(works):
+        w.wait()
+    ok = all(out.tolist() == [10 * salt + r for r in range(world) for _ in range(sizes[r])] for out, sizes, salt in outs)
+    members = list(range(1, world))
+    sub = dist.new_group(ranks=members)
+    if rank in members:
+        me = members.index(rank)
+        sizes = [3 + 2 * i for i in range(len(members))]
+        out = torch.full((sum(sizes),), -1, dtype=torch.int32)
+        all_gather_uneven(out, torch.full((sizes[me],), rank, dtype=torch.int32), sizes=sizes, group=sub).wait()
+        ok = ok and out.tolist() == [m for i, m in enumerate(members) for _ in range(sizes[i])]
+    return ok
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_uneven_all_gathers_in_flight_together_and_on_a_subgroup(world):
+    assert all(run_on_ranks(_in_flight_worker, world=world))
+
 def _skewed_worker(rank, world, codec, steps):
     n = 2048
     busy = rank == world - 1  # router and norms: a high learning rate, every few steps adversarial
