@@ -8,6 +8,7 @@ Triton interpreter (small inputs)."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -57,11 +58,18 @@ def _encode_both(K, codec, prev, new, capacity):
     return needs[0], outs[0]
 
 
+def _twin_decode(K, *, layout, payload, target_bits):
+    """The twin's decode; on CUDA its corrupt-payload error is raised at a sync point of the caller's
+    choosing (``raise_pending_errors``), here at once."""
+    K.decode_triton(layout=layout, payload=payload, target_bits=target_bits)
+    K.raise_pending_errors(payload.device)
+
+
 def _decode_both(K, codec, prev, payload):
     """The reference's and the twin's decode of ``payload`` over ``prev``: equal values, or the same
     ``ValueError``; returns the decoded bits (or the error's message)."""
     results = []
-    for impl in (decode_reference, K.decode_triton):
+    for impl in (decode_reference, functools.partial(_twin_decode, K)):
         target = as_bits(prev).clone().to(DEV)
         try:
             impl(layout=codec.layout, payload=payload.to(DEV), target_bits=target)
@@ -93,8 +101,8 @@ def _raw_blocks(codec, out, needed):
     return mapped, (cnt == RAW_MARK).all(1)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,block", [(1000, 256), (2000, 128), (1500, 512)])
+@pytest.mark.parametrize("dtype,n,block", [(torch.bfloat16, 1000, 256), (torch.float16, 2000, 128),
+                                           (torch.float32, 1500, 512), (torch.bfloat16, 1500, 512)])
 def test_adam_steps_match_reference(K, dtype, n, block):
     """Several blocks (and a partial last one), steps of a training trajectory."""
     codec = DeltaAnsCodec(dtype=dtype, numel=n, block_size=block, backend="torch")
@@ -301,7 +309,7 @@ def test_corrupt_payloads_raise_the_references_error(K, corruption, message):
         prev = (x.float() * 2.0 ** 40).to(x.dtype)  # previous exponents the sender never had
     import re
 
-    for impl in (decode_reference, K.decode_triton):
+    for impl in (decode_reference, functools.partial(_twin_decode, K)):
         target = as_bits(prev).clone().to(DEV)
         with pytest.raises(ValueError, match=f"corrupt payload: .*({message})") as e:
             impl(layout=lay, payload=p.to(DEV), target_bits=target)
@@ -312,7 +320,7 @@ def test_corrupt_payloads_raise_the_references_error(K, corruption, message):
     assert re.search(message, expected)
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(3))
 def test_random_byte_flips_raise_or_decode_alike(K, seed):
     """A flipped byte anywhere past the header: the reference and the twin raise the same error or
     decode the same bits."""
