@@ -5,26 +5,28 @@ lane per stream, as a warp of DietGPU's ANS), and a runtime loop walks the block
 encoder backwards). Prefix sums of block sizes are ``torch.cumsum`` on the device; nothing is
 read on the host.
 
-encode (4 kernels and one cumsum):
+encode (5 kernels and one cumsum):
 
 1. ``_hist``: per chunk of values, (previous exponent, symbol) counts (``tl.histogram``, then one
    atomic add per non-zero bin into a global histogram).
-2. ``_table``: one program quantises every context's counts (the reference's rule: floor, raised
-   to 1 where present, the remainder on the first most frequent symbol) into packed
-   ``f | cum << 13`` entries, ranks the mapped contexts and clears the histogram.
-3. ``_encode_blocks``: per block, rANS over its steps backwards; each lane's words go to a scratch
-   ``[n_blocks, max_words, 32]`` in emission order; its final states, word counts, the block's
-   ANS size and its raw decision (ANS larger than raw) are stored.
+2. ``_table``: one program quantises every context's counts, 32 contexts a trip (the reference's
+   rule: floor, raised to 1 where present, the remainder on the first most frequent symbol) into
+   packed ``f | cum << 13`` entries, ranks the mapped contexts and clears the histogram.
+3. ``_encode_blocks``: per block, rANS over its steps backwards (the state in uint32); each lane's
+   words go to a scratch ``[n_blocks, max_words, 32]`` in emission order; its final states, word
+   counts, the block's ANS size and its raw decision (ANS larger than raw) are stored.
 4. (``torch.cumsum`` of the block sizes) ``_emit``: per block, the whole-shard-raw decision and
    ``needed`` from the last prefix, then (when the payload fits) the block's counts and its data:
-   states and words reversed into reading order, or the raw ``z``; block 0 writes the map, the
-   tables and the zero padding between sections. Every block writes its new sender state.
+   states and words reversed into reading order, or the raw ``z``. Every block writes its new
+   sender state.
+5. ``_head``: one program writes the bytes needed and (when the payload fits) the map, the tables
+   and the zero bytes that align each section.
 
 decode (3 kernels and one cumsum; ``decode_many_triton`` runs the same over ``k x blocks``):
 
 1. ``_sizes``: per block, the counts' checks (raw marks, words per stream) and the block's size.
-2. ``_lut``: per mapped context (8 contexts a program), its table's sum check and a 4096-slot lookup of packed
-   ``symbol | f << 6 | cum << 19`` (one load per decoded symbol).
+2. ``_lut``: per mapped context (8 contexts a program), its table's sum check and a 4096-slot
+   lookup of packed ``symbol | f << 6 | cum << 19`` (one load per decoded symbol).
 3. (``torch.cumsum``) ``_decode_blocks``: per block, the section bound check, then the raw ``z`` or
    the 32 streams step by step (symbol, refill, low raw bits, refill, high raw bits, refill), the
    stream-end checks, and the new values stored in place.
@@ -528,7 +530,7 @@ def _stream_of(device: torch.device):
 
 def encode_triton(*, layout: DeltaAnsLayout, shard_bits: torch.Tensor, state: torch.Tensor,
                   out: torch.Tensor) -> torch.Tensor:
-    """Triton twin of :func:`ciera.codecs.delta_ans.encode_reference`: four launches and one
+    """Triton twin of :func:`ciera.codecs.delta_ans.encode_reference`: five launches and one
     ``torch.cumsum``, no host read; returns the bytes needed as a 0-d int64 device tensor."""
     n, dev = layout.numel, out.device
     if n == 0:
