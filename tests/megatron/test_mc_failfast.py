@@ -164,18 +164,16 @@ def test_killed_dataloader_worker_ends_the_job_fast():
 # one; checkpointing publishes a save only when every rank's writer left its mark (WRITER_DONE), so
 # the job ends on the missing mark if the watchdog has not named the dead child first. A dead
 # persistent worker is named by the watchdog, or by checkpoint_async before the run would wait on it.
-@pytest.mark.parametrize("mode", list(SAVE_MODES))
-def test_killed_checkpoint_writer_ends_the_job_fast(tmp_path, mode):
+def _kill_writer_mid_save(save: Path, mode: str) -> Path:
     """Every process rank 0 forks for the save of iteration 4 dies at once (rank 0 writes the
     replicated tensors: it always has a writer), or its persistent worker is killed as it takes
-    that save; the save of iteration 2 stays the latest, and (persistent worker) a resume loads it
-    and trains on."""
+    that save: the job ends fast, naming it, and the save of iteration 2 stays the latest. Returns
+    the tracker's path (absent when an async save of iteration 2 was still under way)."""
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     if mode != "async-persistent" and not hasattr(FileSystemWriterAsync, "write_preloaded_data_multiproc"):
         pytest.skip("this megatron-core (0.19) writes a synchronous save with threads of the rank's own process "
                     "(and saves --async-save without the persistent worker synchronously): no writer to kill")
-    save = tmp_path / "ckpt"
     job = Job([*TINY, "--save", str(save), "--save-interval", "2", *SAVE_MODES[mode]], fault="kill-writer:0:4")
     started = job.wait_for(" iteration        4/")
     assert job.end() - started < FAST_S
@@ -192,12 +190,26 @@ def test_killed_checkpoint_writer_ends_the_job_fast(tmp_path, mode):
     tracker = save / "latest_checkpointed_iteration.txt"
     if mode == "sync" or tracker.exists():  # an async save of iteration 2 may still be under way
         assert tracker.read_text() == "2" and (save / "iter_0000002" / "checksums.sha256").is_file()
-    if mode == "async-persistent":  # what is left loads (iteration 2, or nothing published yet)
-        from megatron.ciera.launch import run_pretrain
+    return tracker
 
-        resumed = run_pretrain([*TINY, "--load", str(save), "--train-iters", "3", *SAVE_MODES[mode]], timeout=300)
-        assert resumed.returncode == 0, resumed.output[-3000:]
-        assert ("loaded checkpoint" in resumed.output) == tracker.exists(), resumed.output[-3000:]
+
+@pytest.mark.parametrize("mode", list(SAVE_MODES))
+def test_killed_checkpoint_writer_ends_the_job_fast(tmp_path, mode):
+    _kill_writer_mid_save(tmp_path / "ckpt", mode)
+
+
+@pytest.mark.slow  # a second launch (~30 s on 2 vCPUs); the kill itself runs by default (above)
+def test_what_a_killed_persistent_worker_left_loads(tmp_path):
+    """After the persistent worker is killed mid-save, a resume loads what is left (iteration 2,
+    or nothing published yet) and trains on."""
+    from megatron.ciera.launch import run_pretrain
+
+    mode = "async-persistent"
+    tracker = _kill_writer_mid_save(tmp_path / "ckpt", mode)
+    resumed = run_pretrain([*TINY, "--load", str(tmp_path / "ckpt"), "--train-iters", "3", *SAVE_MODES[mode]],
+                           timeout=300)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert ("loaded checkpoint" in resumed.output) == tracker.exists(), resumed.output[-3000:]
 
 
 @pytest.mark.parametrize("mode", list(SAVE_MODES))
@@ -290,18 +302,52 @@ def test_verify_is_on_by_default_and_stops_a_stale_receiver():
         assert "shard 0 (owned by rank 0) differs from its owner's values on ranks [1]" in message
 
 
-def test_resume_with_another_schedule_names_the_flags_that_resolve_it(tmp_path):
-    """A larger --train-iters on resume changes the LR schedule (its decay steps): upstream's
-    scheduler refuses the checkpoint's; the error names the two flags that choose."""
+def _resume_with_another_schedule(tmp_path) -> list[str]:
+    """A 4-iteration run saved, then resumed with --train-iters 8 (another LR schedule: its decay
+    steps): upstream's scheduler refuses the checkpoint's and the error names the two flags that
+    choose. Returns the resume's flags."""
     from megatron.ciera.launch import run_pretrain
 
     flags = [*TINY[:-2], "--save", str(tmp_path / "ckpt")]
     first = run_pretrain([*flags, "--train-iters", "4"], timeout=240)
     assert first.returncode == 0, first.output[-3000:]
-    second = run_pretrain([*flags, "--train-iters", "8", "--load", str(tmp_path / "ckpt")], timeout=240)
+    flags += ["--train-iters", "8", "--load", str(tmp_path / "ckpt")]
+    second = run_pretrain(flags, timeout=240)
     assert second.returncode != 0
     assert "pass --override-opt_param-scheduler to use this run's schedule, or " \
            "--use-checkpoint-opt_param-scheduler to keep the checkpoint's" in second.output, second.output[-3000:]
-    resumed = run_pretrain([*flags, "--train-iters", "8", "--load", str(tmp_path / "ckpt"),
-                            "--override-opt_param-scheduler"], timeout=240)
+    return flags
+
+
+def _scheduler(*extra: str):
+    """megatron-core's scheduler as pretrain_gpt.py builds it for TINY with ``extra`` (in process)."""
+    import torch
+
+    from flag_args import parse_and_validate
+    from megatron.ciera import model as model_lib
+
+    args = parse_and_validate([*TINY[:-2], *extra], world=2)
+    return model_lib.scheduler(args, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=args.lr))
+
+
+def test_resume_with_another_schedule_names_the_flags_that_resolve_it(tmp_path):
+    _resume_with_another_schedule(tmp_path)
+    # The two flags reach the scheduler and settle the mismatch each its way (the resume that
+    # trains on with one of them: the slow test below).
+    saved = _scheduler("--train-iters", "4").state_dict()
+    with pytest.raises(AssertionError, match="OptimizerParamScheduler"):
+        _scheduler("--train-iters", "8").load_state_dict(saved)
+    override = _scheduler("--train-iters", "8", "--override-opt_param-scheduler")
+    override.load_state_dict(saved)
+    assert override.lr_decay_steps == _scheduler("--train-iters", "8").lr_decay_steps != saved["lr_decay_steps"]
+    keep = _scheduler("--train-iters", "8", "--use-checkpoint-opt_param-scheduler")
+    keep.load_state_dict(saved)
+    assert keep.lr_decay_steps == saved["lr_decay_steps"]
+
+
+@pytest.mark.slow  # a third launch; the default test checks the refusal and the flags in process
+def test_resume_with_override_opt_param_scheduler_trains_on(tmp_path):
+    from megatron.ciera.launch import run_pretrain
+
+    resumed = run_pretrain([*_resume_with_another_schedule(tmp_path), "--override-opt_param-scheduler"], timeout=240)
     assert resumed.returncode == 0 and sorted(resumed.losses) == [5, 6, 7, 8], resumed.output[-3000:]

@@ -86,12 +86,11 @@ def _tiny_gpt2_bpe(folder: Path) -> tuple[str, str]:
     return str(folder / "vocab.json"), str(folder / "merges.txt")
 
 
-def test_gpt2_bpe_tokenizer_from_vocab_and_merge_files(tmp_path):
-    """--tokenizer-type GPT2BPETokenizer --vocab-file --merge-file: the tokenizer is built from the
-    two files (vocabulary size, end-of-document id, BPE merges applied) and a run trains with it."""
+def _gpt2_bpe_flags(tmp_path) -> list[str]:
+    """TINY with --tokenizer-type GPT2BPETokenizer on two files, checked in process: the tokenizer
+    is built from them (vocabulary size, end-of-document id, BPE merges applied)."""
     pytest.importorskip("transformers")
     from megatron.ciera import arguments, data
-    from megatron.ciera.launch import run_pretrain
 
     vocab, merges = _tiny_gpt2_bpe(tmp_path)
     flags = [f for f in TINY if f not in ("NullTokenizer", "--vocab-size", "127")]
@@ -100,6 +99,19 @@ def test_gpt2_bpe_tokenizer_from_vocab_and_merge_files(tmp_path):
     tok = data.build_tokenizer(arguments.parse_args(flags))
     assert tok.vocab_size == 256 + 2 + 1 and tok.eod == 258
     assert tok._tok(" the")["input_ids"] == [256, 257]  # Ġ t -> Ġt, h e -> he
-    result = run_pretrain(flags, nproc=1, timeout=300)
+    return flags
+
+
+def test_gpt2_bpe_tokenizer_from_vocab_and_merge_files(tmp_path):
+    """--tokenizer-type GPT2BPETokenizer --vocab-file --merge-file builds the tokenizer from the two
+    files (the run that trains with it: the slow test below)."""
+    _gpt2_bpe_flags(tmp_path)
+
+
+@pytest.mark.slow  # a launch; the tokenizer itself is checked by default (above)
+def test_gpt2_bpe_tokenizer_trains(tmp_path):
+    from megatron.ciera.launch import run_pretrain
+
+    result = run_pretrain(_gpt2_bpe_flags(tmp_path), nproc=1, timeout=300)
     assert result.returncode == 0, result.output[-3000:]
     assert sorted(result.losses) == [1, 2] and result.sha256
