@@ -311,12 +311,13 @@ def _head(out_ptr, tab_ptr, rank_ptr, ntab_ptr, ends_ptr, needed_ptr, n_blocks, 
 @triton.jit
 def _payload_at(payload_ptr, offsets_ptr, plen, BATCHED: tl.constexpr):
     """(start, length) of this program's payload: the row's offset and its header's needed bytes
-    when batched, else 0 and the buffer's length."""
+    (at most what the buffer of ``plen`` bytes holds from there, as a slice) when batched, else 0
+    and the buffer's length."""
     if BATCHED:
         row = tl.program_id(0)
         pbase = tl.multiple_of(tl.load(offsets_ptr + row), 16)
         hdr = (payload_ptr + pbase + 16).to(tl.pointer_type(tl.int64), bitcast=True)
-        return pbase, tl.load(hdr)
+        return pbase, tl.minimum(tl.load(hdr), plen - pbase)
     else:
         return plen * 0, plen
 

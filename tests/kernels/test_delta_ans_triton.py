@@ -20,7 +20,7 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
-from ciera.codecs.base import HEADER_BYTES, align_up  # noqa: E402
+from ciera.codecs.base import HEADER_BYTES, align_up, write_header  # noqa: E402
 from ciera.codecs.delta_ans import (RAW_MARK, DeltaAnsCodec, decode_many_reference,  # noqa: E402
                                     decode_reference, encode_reference)
 from ciera.codecs.formats import as_bits  # noqa: E402
@@ -244,6 +244,32 @@ def test_decode_many_matches_reference(K, dtype):
     for r in rows:
         assert torch.equal(targets[r].cpu(), as_bits(new[r]))
     assert torch.equal(targets[1].cpu(), as_bits(prev[1]))
+
+
+def test_decode_many_reads_a_payload_only_up_to_its_buffers_end(K):
+    """A batched payload whose buffer ends before its header's needed bytes (a truncated receive):
+    the reference (which slices) and the twin raise the same error; a header overstating its size
+    over a complete payload decodes alike."""
+    codec, x, p = _payload()
+    expect = []
+    for flat, needed in ((p[:-2].clone(), p.numel()), (torch.cat([p, p.new_zeros(16)]), 1 << 40)):
+        write_header(flat, codec_id=codec.codec_id, needed=needed, capacity=1 << 40)
+        outcomes = []
+        for impl in (decode_many_reference, K.decode_many_triton):
+            targets = as_bits(x).clone().view(1, -1).to(DEV)
+            try:
+                impl(layout=codec.layout, payloads=flat.to(DEV), rows=torch.zeros(1, dtype=torch.int64, device=DEV),
+                     offsets=torch.zeros(1, dtype=torch.int64, device=DEV), targets_bits=targets)
+                K.raise_pending_errors(targets.device)
+                outcomes.append(targets.cpu())
+            except ValueError as e:
+                outcomes.append(str(e))
+        if isinstance(outcomes[0], str):
+            assert outcomes[0] == outcomes[1]
+        else:
+            assert torch.equal(outcomes[0], outcomes[1])
+        expect.append(isinstance(outcomes[0], str))
+    assert expect == [True, False]
 
 
 def _payload(dtype=torch.bfloat16, n=1000, block=256, kind=None):
