@@ -212,7 +212,9 @@ def test_what_a_killed_persistent_worker_left_loads(tmp_path):
     assert ("loaded checkpoint" in resumed.output) == tracker.exists(), resumed.output[-3000:]
 
 
-@pytest.mark.parametrize("mode", list(SAVE_MODES))
+# --async-save without the persistent worker: slow (on megatron-core 0.16 its writer is forked per
+# save as the synchronous save's is; on 0.19 it saves synchronously).
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow) if m == "async" else m for m in SAVE_MODES])
 def test_no_process_outlives_rank_0_killed_mid_save(tmp_path, mode):
     """kill -9 of rank 0 while its checkpoint writer runs: the writer (and its own children)
     die with it, and every rank's process tree is gone when the launcher exits."""
