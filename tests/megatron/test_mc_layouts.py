@@ -3,8 +3,8 @@
 Per layout: the loss of every iteration (float.hex) and the final params sha256 (all shards,
 replicas cross-checked) are identical. CIERA binds to the distributed optimizer's groups: dense
 buckets gather over the data-parallel group (TP/PP/CP peers excluded), expert buckets over the
-expert-data-parallel group; the summaries name both. The 4-rank TP2xEP2 and CP2xDP2 runs are in
-the default suite; the other layouts and the 8-rank combinations are ``slow``.
+expert-data-parallel group; the summaries name both. The 4-rank TP2xEP2 (with overlapped gathers)
+and CP2xDP2 runs are in the default suite; the other layouts and the 8-rank combinations are ``slow``.
 Context parallelism on CPU runs :mod:`megatron.ciera.cp_attention` (the local spec's all-gather-KV
 attention); a slow test checks it against a CP 1 run on the same data (losses to fp32 tolerance).
 """
@@ -32,7 +32,7 @@ OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
 
 LAYOUTS = {  # name: (flags, ranks)
     "tp2_ep2": (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
-                 "--expert-tensor-parallel-size", "1"], 4),
+                 "--expert-tensor-parallel-size", "1", *OVERLAP], 4),
     "tp2": (["--tensor-model-parallel-size", "2", "--sequence-parallel", *OVERLAP], 4),
     "pp2": (["--pipeline-model-parallel-size", "2", *OVERLAP], 4),
     "pp2_vpp2": (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1", *OVERLAP], 4),

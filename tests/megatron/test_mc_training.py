@@ -70,6 +70,7 @@ def test_overlapped_gather_is_bit_identical():
     assert ciera.summary_block().count(".bucket0") > 1  # several bucket groups
 
 
+@pytest.mark.slow  # by default: test_mc_layouts' tp2_ep2 (EP 2 with overlapped gathers, dense and expert buckets)
 def test_expert_parallel_four_ranks_is_bit_identical():
     flags = ("--expert-model-parallel-size", "2", "--overlap-grad-reduce", "--overlap-param-gather")
     base, ciera = run(*flags, nproc=4), run(*flags, *CIERA, nproc=4)
