@@ -401,11 +401,17 @@ def _lut(payload_ptr, offsets_ptr, lut_ptr, err_ptr, plen,
 
 
 @triton.jit
-def _refill(x, at, need, payload_ptr, lim):
+def _refill(x, at, need, payload_ptr, lim, WORDS: tl.constexpr):
     """``x << 16 | word at`` where ``need`` (reads stay below byte ``lim``); the next word's address.
-    ``x`` is uint32: a refill only follows ``x < 2^16``."""
-    w = (tl.load(payload_ptr + at, mask=need & (at < lim), other=0).to(tl.uint32)
-         | tl.load(payload_ptr + at + 1, mask=need & (at + 1 < lim), other=0).to(tl.uint32) << 8)
+    ``x`` is uint32: a refill only follows ``x < 2^16``. ``WORDS``: one 16-bit load (the buffer is
+    2-byte aligned, and so is every word: sections and streams are), else two byte loads; they
+    differ only on a word cut by ``lim``, which is read past its stream's end (an error either way)."""
+    if WORDS:
+        w = tl.load((payload_ptr + at).to(tl.pointer_type(tl.uint16), bitcast=True), mask=need & (at + 1 < lim),
+                    other=0).to(tl.uint32)
+    else:
+        w = (tl.load(payload_ptr + at, mask=need & (at < lim), other=0).to(tl.uint32)
+             | tl.load(payload_ptr + at + 1, mask=need & (at + 1 < lim), other=0).to(tl.uint32) << 8)
     return tl.where(need, (x << 16) | w, x), at + 2 * need.to(tl.int64)
 
 
@@ -414,7 +420,7 @@ def _decode_blocks(payload_ptr, target_ptr, rows_ptr, offsets_ptr, bytes_ptr, en
                    plen, n, n_blocks, W: tl.constexpr, MANT: tl.constexpr, EXPMASK: tl.constexpr,
                    OFF_MAP: tl.constexpr, NCLS: tl.constexpr, OFF_TABLES: tl.constexpr, TABLE_BYTES: tl.constexpr,
                    NS2: tl.constexpr, B: tl.constexpr, S: tl.constexpr, MW: tl.constexpr, CH: tl.constexpr,
-                   UT: tl.constexpr, BATCHED: tl.constexpr):
+                   UT: tl.constexpr, BATCHED: tl.constexpr, WORDS: tl.constexpr):
     M: tl.constexpr = (1 << W) - 1
     row = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
@@ -468,16 +474,16 @@ def _decode_blocks(payload_ptr, target_ptr, rows_ptr, offsets_ptr, bytes_ptr, en
             p = tl.load(lut_row + ctx * 4096 + slot, mask=v & (has != 0), other=1 << 6)
             sym = p & 63
             x = tl.where(v, ((p >> 6) & 0x1FFF).to(tl.uint32) * (x >> 12) + slot - (p >> 19).to(tl.uint32), x)
-            x, word_at = _refill(x, word_at, v & (x < 65536), payload_ptr, stop)
+            x, word_at = _refill(x, word_at, v & (x < 65536), payload_ptr, stop, WORDS)
             k = tl.where(sym >= 16, sym - 12, 0)
             lo_n = tl.minimum(k, 16).to(tl.uint32)
             lo = x & ((tl.full([32], 1, tl.uint32) << lo_n) - 1)
             x = tl.where(v, x >> lo_n, x)
-            x, word_at = _refill(x, word_at, v & (lo_n > 0) & (x < 65536), payload_ptr, stop)
+            x, word_at = _refill(x, word_at, v & (lo_n > 0) & (x < 65536), payload_ptr, stop, WORDS)
             hi_n = tl.maximum(k - 16, 0).to(tl.uint32)
             hi = x & ((tl.full([32], 1, tl.uint32) << hi_n) - 1)
             x = tl.where(v, x >> hi_n, x)
-            x, word_at = _refill(x, word_at, v & (hi_n > 0) & (x < 65536), payload_ptr, stop)
+            x, word_at = _refill(x, word_at, v & (hi_n > 0) & (x < 65536), payload_ptr, stop, WORDS)
             past = past | (v & (word_at > end))
             zu = tl.where(sym < 16, sym.to(tl.uint32), (tl.full([32], 1, tl.uint32) << k.to(tl.uint32)) | (hi << 16) | lo)
             z = zu.to(UT) & M
@@ -625,7 +631,7 @@ def _decode(layout: DeltaAnsLayout, payload: torch.Tensor, targets: torch.Tensor
                     num_warps=4)
     ends = torch.cumsum(sizes.view(k, nb), 1)
     _decode_blocks[(k, nb)](payload, targets, rows, offsets, sizes, ends, lut, err, plen, n, nb, CH=_CHUNK,
-                            BATCHED=batched, **c,
+                            BATCHED=batched, WORDS=payload.data_ptr() % 2 == 0, **c,
                             **_fmt_consts(layout), num_warps=1)
     if dev.type == "cuda":
         _pending(dev).push(err)

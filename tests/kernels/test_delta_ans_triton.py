@@ -83,11 +83,17 @@ def _decode_both(K, codec, prev, payload):
     return results[0]
 
 
-def _check(K, codec, prev, new, capacity=None):
+def _check(K, codec, prev, new, capacity=None, odd=False):
     cap = codec.clamp_capacity(codec.max_bytes) if capacity is None else capacity
     needed, out = _encode_both(K, codec, prev, new, cap)
     if needed <= cap:
         assert torch.equal(_decode_both(K, codec, prev, out[:needed]), as_bits(new))
+        if odd:  # a payload at an odd address: the decoder's byte loads instead of 16-bit words
+            shifted = torch.cat([out.new_zeros(1), out[:needed]]).to(DEV)[1:]
+            assert shifted.data_ptr() % 2 == 1
+            target = as_bits(prev).clone().to(DEV)
+            K.decode_triton(layout=codec.layout, payload=shifted, target_bits=target)
+            assert torch.equal(target.cpu(), as_bits(new))
     return needed, out
 
 
@@ -108,7 +114,7 @@ def test_adam_steps_match_reference(K, dtype, n, block):
     codec = DeltaAnsCodec(dtype=dtype, numel=n, block_size=block, backend="torch")
     tr = AdamTrajectory(numel=n, dtype=dtype, lr=1e-4, seed=n)
     x, y = tr.step(), tr.step()
-    needed, out = _check(K, codec, x, y)
+    needed, out = _check(K, codec, x, y, odd=True)
     mapped, raw = _raw_blocks(codec, out, needed)
     assert mapped > 0 and not bool(raw.all())  # entropy-coded streams, not the escape
 
