@@ -150,6 +150,7 @@ def main(argv=None) -> int:
         print(f"params sha256: {digest}", flush=True)
     if log:
         log.close()
+    dist.barrier()  # no rank tears its process group down while another still talks to it
     dist.destroy_process_group()
     return 0
 

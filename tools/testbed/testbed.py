@@ -96,6 +96,9 @@ def main(argv=None) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _on_signal)
+    # Python leaves SIGINT ignored when it starts ignored (a background job of a non-interactive
+    # shell: `cmd &`, nohup); the testbed must still tear down on it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with Testbed(_config(a)) as tb:
             print(f"testbed {tb.name}: {tb.hosts} hosts {', '.join(tb.addr(i) for i in range(tb.hosts))}, "
