@@ -6,6 +6,8 @@ size): ``[n_buckets, 2]`` int64 per rank (16 bytes a bucket). The host reads tha
 the only host read of a compressed gather. From the same table every rank derives the same
 :class:`Plan` for each bucket with the pure :func:`plan_from_table`:
 
+* any rank found a corrupt payload in an earlier gather (``FLAG_CORRUPT``): an error on every rank
+  (the values it trained on were not the ones sent; only a checkpoint restores bit-exactness);
 * any rank reports a failure (``FLAG_FAILED``): raw on every rank, caches invalidated everywhere;
 * any rank replays (``FLAG_REPLAY``: its shard is unchanged since its last gather) while another
   does not: raw; a replaying rank whose shard did change after all (its size word counts the
@@ -45,6 +47,9 @@ FLAG_FAILED = -1
 FLAG_REPLAY = -2
 """Proposal word: this rank's shard is unchanged since its last gather (no encode); the size word
 counts the values that changed after all (0 when the caller's claim holds)."""
+FLAG_CORRUPT = -3
+"""Proposal word: a device decode on this rank found a corrupt payload in an earlier gather (reported
+without a host sync, so found only now): its buffer held wrong values for at least one step."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,8 @@ class Plan:
     """Sum over ranks of the payloads' own sizes when compressed."""
     failed_ranks: tuple[int, ...] = ()
     """Ranks that reported a local failure (the plan is then raw)."""
+    corrupt_ranks: tuple[int, ...] = ()
+    """Ranks that found a corrupt payload in an earlier gather (``FLAG_CORRUPT``): every rank raises."""
     replay: bool = False
     """Every rank's shard is unchanged since its last gather: the previous plan is repeated with the
     same payloads (a gather whose buffer persists needs no collective at all)."""
@@ -92,6 +99,9 @@ def plan_from_table(column: Sequence[tuple[int, int]], *, codec_names: dict[int,
     own). ``codec_names`` maps codec ids to names; ``per_rank_sizes=False`` never plans per-rank
     sizes (:attr:`ciera.CieraConfig.per_rank_sizes`)."""
     proposals = [p for p, _ in column]
+    corrupt = tuple(r for r, p in enumerate(proposals) if p == FLAG_CORRUPT)
+    if corrupt:
+        return Plan(raw=True, corrupt_ranks=corrupt)
     stale = tuple(r for r, (p, n) in enumerate(column) if p == FLAG_REPLAY and n != 0)
     failed = tuple(sorted({r for r, p in enumerate(proposals) if p == FLAG_FAILED} | set(stale)))
     if failed:

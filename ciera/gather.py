@@ -48,7 +48,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .agreement import FLAG_FAILED, FLAG_RAW, FLAG_REPLAY, RAW_PLAN, Plan, Proposal, exchange, plan_from_table
+from .agreement import FLAG_CORRUPT, FLAG_FAILED, FLAG_RAW, FLAG_REPLAY, RAW_PLAN, Plan, Proposal, exchange, plan_from_table
 from .codecs import HEADER_BYTES, Codec, PayloadHeader, make_codec
 from .codecs.base import align_up
 from .codecs.formats import FORMATS, as_bits, float_format
@@ -174,6 +174,7 @@ class CieraAllGather:
         self._state = None  # sender state of self._codec_name, valid iff self._raw_left == 0
         self._raw_left = config.warmup_gathers
         self._failed = False  # a local failure since the last agreement: the next gather is raw everywhere
+        self._corrupt: str | None = None  # a device decode found a corrupt payload: every rank stops
         self._stats = GatherStats(codec="raw")
         self._encode_timer = SectionTimer(buffer.device)
         self._decode_timer = SectionTimer(buffer.device)
@@ -235,6 +236,11 @@ class CieraAllGather:
         try:
             mode = self._choose_mode()  # also after a failure: the selector's schedule stays rank-identical
             self._started += 1
+            if self._corrupt is None:
+                self._corrupt = self._pending_decode_error()
+            if self._corrupt is not None:
+                self._proposed = ("raw", None)
+                return Proposal(FLAG_CORRUPT, self._needed)
             if self._failed:
                 self._proposed = ("raw", None)
                 return Proposal(FLAG_FAILED, self._needed)
@@ -282,6 +288,13 @@ class CieraAllGather:
         self._move(Phase.AGREED, "apply()")
         mode, _ = self._proposed or ("raw", None)
         self._proposed = None
+        if plan.corrupt_ranks:
+            mine = f" (here: {self._corrupt})" if self._corrupt else ""
+            self._move(Phase.IDLE, "apply()")
+            raise CieraVerifyError(
+                f"{self.name}: rank(s) {list(plan.corrupt_ranks)} decoded a corrupt payload in an earlier gather"
+                f"{mine}; the parameters they trained on were not the ones sent, so training cannot go on "
+                f"bit-exact: resume from the last checkpoint")
         if plan.failed_ranks:
             if not self._failed:
                 logger.warning("%s: rank(s) %s failed or changed a shard claimed unchanged; gathering raw on "
@@ -514,6 +527,17 @@ class CieraAllGather:
             self._state = codec.new_state(shard=self._shard)
         else:
             codec.reset_state(state=self._state, shard=self._shard)
+
+    def _pending_decode_error(self) -> str | None:
+        """The message of a corrupt payload that a device decode found and has not reported yet
+        (landed verdicts only: no host wait), or ``None``."""
+        for codec in self._codecs.values():
+            try:
+                codec.raise_pending_errors()
+            except ValueError as e:
+                logger.error("%s: rank %d: %s", self.name, self.rank, e)
+                return str(e)
+        return None
 
     def _fail(self) -> None:
         """A local failure: caches are undefined here, so the next agreement makes the bucket raw on

@@ -33,6 +33,7 @@ from typing import ClassVar
 
 import torch
 
+from .deferred import DeferredErrors, DeviceError
 from .formats import FloatFormat, as_bits, float_format
 
 HEADER_BYTES = 32
@@ -185,7 +186,8 @@ class Codec(abc.ABC):
                 return
         self._check_shard(target, "target")
         self._check_payload(payload, header)
-        self._impl("decode", target)(layout=self.layout, payload=payload, target_bits=as_bits(target))
+        self.raise_pending_errors()
+        self._defer(self._impl("decode", target)(layout=self.layout, payload=payload, target_bits=as_bits(target)))
 
     def decode_many(self, *, payloads: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor,
                     targets: torch.Tensor) -> None:
@@ -204,8 +206,24 @@ class Codec(abc.ABC):
             raise ValueError(f"{self.name}: payloads must be a flat contiguous uint8 tensor")
         if rows.dtype != torch.int64 or offsets.dtype != torch.int64 or rows.shape != offsets.shape:
             raise ValueError(f"{self.name}: rows and offsets must be int64 tensors of one shape")
-        self._decode_many_impl(targets)(layout=self.layout, payloads=payloads, rows=rows, offsets=offsets,
-                                        targets_bits=as_bits(targets))
+        self.raise_pending_errors()
+        self._defer(self._decode_many_impl(targets)(layout=self.layout, payloads=payloads, rows=rows,
+                                                    offsets=offsets, targets_bits=as_bits(targets)))
+
+    def raise_pending_errors(self, *, wait: bool = False) -> None:
+        """Raise the ``ValueError`` of a corrupt payload that a device decode of this codec found and
+        has not reported yet: a decoder that checks payloads on a CUDA device returns its verdict
+        without a host read (see :mod:`ciera.codecs.deferred`), and it is raised here, at the next
+        decode, or at a caller's sync point. ``wait``: wait for every decode in flight first;
+        otherwise only verdicts already copied to the host are read. Cheap when nothing is pending."""
+        errors = self.__dict__.get("_deferred_errors")
+        if errors is not None and errors.in_flight:
+            errors.check(wait=wait)
+
+    def _defer(self, found: DeviceError | None) -> None:
+        """Keep a decoder's unread verdict (``None``: it raised or returned nothing to check)."""
+        if found is not None:
+            self.__dict__.setdefault("_deferred_errors", DeferredErrors()).push(found)
 
     def _decode_many_impl(self, t: torch.Tensor):
         """``decode_many_<impl>`` for tensors like ``t``, chosen as :meth:`_impl` chooses."""

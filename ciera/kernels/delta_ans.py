@@ -33,10 +33,10 @@ decode (3 kernels and one cumsum; ``decode_many_triton`` runs the same over ``k 
 
 Corruption: every check of :func:`ciera.codecs.delta_ans.decode_reference` is made on the device
 and lowers a per-payload error word to the code of the earliest check that failed (the
-reference's order). The launcher turns a code into the reference's ``ValueError``: at once for
-CPU tensors (the interpreter); for CUDA tensors without a host sync on the hot path, by copying
-the word into pinned memory behind an event and raising from the next call on that device whose
-copy has landed, or from :func:`raise_pending_errors` (a caller's own sync point).
+reference's order). The launcher turns a code into the reference's ``ValueError`` at once for CPU
+tensors (the interpreter); for CUDA tensors it returns the word unread as a
+:class:`ciera.codecs.deferred.DeviceError` (no host sync on the hot path), which the codec raises at
+its next decode or at the caller's sync point (:meth:`ciera.codecs.base.Codec.raise_pending_errors`).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ciera.codecs.deferred import DeviceError
 from ciera.codecs.delta_ans import LANES, RAW_MARK, DeltaAnsLayout
 
 _MARK = tl.constexpr(RAW_MARK)
@@ -571,51 +572,19 @@ def encode_triton(*, layout: DeltaAnsLayout, shard_bits: torch.Tensor, state: to
     return needed[0]
 
 
-class _PendingErrors:
-    """Error words of CUDA decodes in flight: (pinned host copy, event) pairs, oldest first."""
-
-    def __init__(self):
-        self.pending: list = []
-
-    def push(self, err: torch.Tensor) -> None:
-        host = torch.empty(err.shape, dtype=err.dtype, pin_memory=True)
-        host.copy_(err, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self.pending.append((host, event))
-
-    def check(self, wait: bool) -> None:
-        """Raise the first landed error (every landed one when ``wait``); drop the clean ones."""
-        while self.pending and (wait or self.pending[0][1].query()):
-            host, event = self.pending.pop(0)
-            event.synchronize()
-            _raise_code(host)
-
-
-@functools.lru_cache(maxsize=16)
-def _pending(device: torch.device) -> _PendingErrors:
-    return _PendingErrors()
-
-
 def _raise_code(err: torch.Tensor) -> None:
     code = int(err.min())
     if code != _NO_ERROR:
-        raise ValueError(f"delta_ans: corrupt payload: {_ERRORS[code]}")
+        raise ValueError(_describe(code))
 
 
-def raise_pending_errors(device: torch.device | str) -> None:
-    """Raise the ``ValueError`` of any corrupt payload a CUDA decode on ``device`` found (waits for
-    those decodes); a no-op on CPU, where every decode raises at once."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        _pending(device).check(wait=True)
+def _describe(code: int) -> str:
+    return f"delta_ans: corrupt payload: {_ERRORS[code]}"
 
 
 def _decode(layout: DeltaAnsLayout, payload: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor,
-            offsets: torch.Tensor, k: int, batched: bool) -> None:
+            offsets: torch.Tensor, k: int, batched: bool) -> DeviceError | None:
     dev = payload.device
-    if dev.type == "cuda":
-        _pending(dev).check(wait=False)
     n, nb, NCLS = layout.numel, layout.n_blocks, layout.n_classes
     plen = payload.numel()
     if not batched and plen < layout.off_data(0):
@@ -634,22 +603,22 @@ def _decode(layout: DeltaAnsLayout, payload: torch.Tensor, targets: torch.Tensor
                             BATCHED=batched, WORDS=payload.data_ptr() % 2 == 0, **c,
                             **_fmt_consts(layout), num_warps=1)
     if dev.type == "cuda":
-        _pending(dev).push(err)
-    else:
-        _raise_code(err)
+        return DeviceError(word=err, clean=_NO_ERROR, describe=_describe)
+    _raise_code(err)
+    return None
 
 
-def decode_triton(*, layout: DeltaAnsLayout, payload: torch.Tensor, target_bits: torch.Tensor) -> None:
+def decode_triton(*, layout: DeltaAnsLayout, payload: torch.Tensor, target_bits: torch.Tensor) -> DeviceError | None:
     """Triton twin of :func:`ciera.codecs.delta_ans.decode_reference`: three launches and one
     ``torch.cumsum``; a corrupt payload raises the reference's ``ValueError`` (see the module
     docstring for when, on CUDA)."""
     if layout.numel == 0:
-        return
-    _decode(layout, payload, target_bits, payload, payload, 1, False)
+        return None
+    return _decode(layout, payload, target_bits, payload, payload, 1, False)
 
 
 def decode_many_triton(*, layout: DeltaAnsLayout, payloads: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor,
-                       targets_bits: torch.Tensor) -> None:
+                       targets_bits: torch.Tensor) -> DeviceError | None:
     """Batched twin of :func:`decode_triton` (see Codec.decode_many): payload ``i`` starts at byte
     ``offsets[i]`` of ``payloads`` (its length: its header's needed bytes) and decodes into row
     ``rows[i]`` of ``targets_bits`` (``[world, n]``). The same launches over ``k x blocks``
@@ -661,5 +630,5 @@ def decode_many_triton(*, layout: DeltaAnsLayout, payloads: torch.Tensor, rows: 
     if offsets.numel() != k or rows.dtype != torch.int64 or offsets.dtype != torch.int64:
         raise ValueError("delta_ans: rows and offsets must be int64 tensors of the same length")
     if n == 0 or k == 0:
-        return
-    _decode(layout, payloads, targets_bits, rows, offsets, k, True)
+        return None
+    return _decode(layout, payloads, targets_bits, rows, offsets, k, True)

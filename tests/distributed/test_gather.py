@@ -299,3 +299,47 @@ def test_local_failures_are_agreed_not_divergent():
     assert plans0[4] and plans0[9] and not plans0[3] and not plans0[8]  # agreed raw after each failure
     assert raised0 == [(8, "injected decode failure")] and raised1 == []
     assert s0.failures == s1.failures == 2 and s0.raw_gathers == s1.raw_gathers
+
+
+def _late_corruption_worker(rank, world):
+    """Rank 1's decode at step 5 returns a failing verdict unread, as the Triton decoder does on
+    CUDA. The next agreement must stop every rank with the same error, rank 1's naming the check."""
+    from ciera.codecs.deferred import DeviceError
+
+    n = 2048
+    buf = torch.zeros(n * world, dtype=torch.bfloat16)
+    traj = AdamTrajectory(numel=n, seed=rank)
+    gather = CieraAllGather(buf, config=CieraConfig(codec="delta", selection="always"))
+    codec = gather.codec
+    real = codec._decode_many_impl
+    step_now = [0]
+
+    def deferred(t):
+        impl = real(t)
+
+        def decode_many(**kw):
+            impl(**kw)
+            code = 2 if (rank == 1 and step_now[0] == 5) else 9
+            return DeviceError(word=torch.tensor([code], dtype=torch.int32), clean=9,
+                               describe=lambda c: f"injected check {c} failed")
+        return decode_many
+
+    codec._decode_many_impl = deferred
+    for step in range(8):
+        step_now[0] = step
+        buf.view(world, -1)[rank].copy_(traj.step())
+        try:
+            gather.prepare()
+        except CieraVerifyError as e:
+            return step, str(e)
+        assert not gather.plan.raw or step == 0, step
+        gather.start().wait()
+    return None
+
+
+def test_a_corrupt_payload_found_late_stops_every_rank_at_the_next_agreement():
+    (step0, msg0), (step1, msg1) = run_on_ranks(_late_corruption_worker, world=2)
+    assert step0 == step1 == 6
+    assert "rank(s) [1] decoded a corrupt payload" in msg0 and "here:" not in msg0
+    assert "rank(s) [1] decoded a corrupt payload" in msg1 and "here: injected check 2 failed" in msg1
+    assert "resume from the last checkpoint" in msg1

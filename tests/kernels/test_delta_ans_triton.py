@@ -21,6 +21,7 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
 triton = pytest.importorskip("triton")
 
 from ciera.codecs.base import HEADER_BYTES, align_up, write_header  # noqa: E402
+from ciera.codecs.deferred import DeferredErrors  # noqa: E402
 from ciera.codecs.delta_ans import (RAW_MARK, DeltaAnsCodec, decode_many_reference,  # noqa: E402
                                     decode_reference, encode_reference)
 from ciera.codecs.formats import as_bits  # noqa: E402
@@ -58,11 +59,18 @@ def _encode_both(K, codec, prev, new, capacity):
     return needs[0], outs[0]
 
 
+def _read_now(found):
+    """Raise a twin's verdict at once: on CUDA it comes back unread (a DeviceError), for the codec
+    to raise at a later sync point; under the interpreter it has raised already."""
+    if found is not None:
+        errors = DeferredErrors()
+        errors.push(found)
+        errors.check(wait=True)
+
+
 def _twin_decode(K, *, layout, payload, target_bits):
-    """The twin's decode; on CUDA its corrupt-payload error is raised at a sync point of the caller's
-    choosing (``raise_pending_errors``), here at once."""
-    K.decode_triton(layout=layout, payload=payload, target_bits=target_bits)
-    K.raise_pending_errors(payload.device)
+    """The twin's decode, its corrupt-payload error raised at once."""
+    _read_now(K.decode_triton(layout=layout, payload=payload, target_bits=target_bits))
 
 
 def _decode_both(K, codec, prev, payload):
@@ -264,9 +272,9 @@ def test_decode_many_reads_a_payload_only_up_to_its_buffers_end(K):
         for impl in (decode_many_reference, K.decode_many_triton):
             targets = as_bits(x).clone().view(1, -1).to(DEV)
             try:
-                impl(layout=codec.layout, payloads=flat.to(DEV), rows=torch.zeros(1, dtype=torch.int64, device=DEV),
-                     offsets=torch.zeros(1, dtype=torch.int64, device=DEV), targets_bits=targets)
-                K.raise_pending_errors(targets.device)
+                _read_now(impl(layout=codec.layout, payloads=flat.to(DEV),
+                               rows=torch.zeros(1, dtype=torch.int64, device=DEV),
+                               offsets=torch.zeros(1, dtype=torch.int64, device=DEV), targets_bits=targets))
                 outcomes.append(targets.cpu())
             except ValueError as e:
                 outcomes.append(str(e))

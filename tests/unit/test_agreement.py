@@ -53,3 +53,11 @@ def test_replays_repeat_the_last_plan_only_when_every_rank_replays_unchanged():
     # a rank that claimed its shard unchanged but changed 3 values: its failure, raw everywhere
     assert plan([(FLAG_REPLAY, 0), (FLAG_REPLAY, 3)]) == Plan(raw=True, failed_ranks=(1,))
     assert plan([(FLAG_FAILED, 0), (FLAG_REPLAY, 3)]) == Plan(raw=True, failed_ranks=(0, 1))
+
+
+def test_a_corrupt_payload_found_late_outranks_every_other_word():
+    from ciera.agreement import FLAG_CORRUPT, FLAG_REPLAY
+
+    assert plan([(2, 100), (FLAG_CORRUPT, 0)]) == Plan(raw=True, corrupt_ranks=(1,))
+    assert plan([(FLAG_CORRUPT, 0), (FLAG_FAILED, 0), (FLAG_REPLAY, 3), (FLAG_CORRUPT, 0)]) == \
+        Plan(raw=True, corrupt_ranks=(0, 3))

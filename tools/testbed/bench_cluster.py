@@ -30,6 +30,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import statistics
 import sys
 import tempfile
@@ -193,8 +194,8 @@ def report(results: list[dict], meta: dict) -> str:
         sim = r.get("sim", {}).get("train", {})
         for t in r.get("train", []):
             base = next((b for b in r["train"] if b["mode"] == "baseline" and b["overlap"] == t["overlap"]), None)
-            same = "-" if t["mode"] == "baseline" else (
-                "yes" if base and t["sha256"] == base["sha256"] and t["losses"] == base["losses"] else "NO")
+            same = "-" if t["mode"] == "baseline" or base is None else (  # no baseline run: nothing to compare
+                "yes" if t["sha256"] == base["sha256"] and t["losses"] == base["losses"] else "NO")
             rel = f"{base['ms'] / t['ms']:.2f}x" if base and base["ms"] and t["ms"] else "-"
             mb = f"{t['raw_mb']:.1f} -> {t['wire_mb']:.1f}" if t["raw_mb"] else "-"
             key = f"{t['mode']}:{'overlap' if t['overlap'] else 'sync'}"
@@ -290,7 +291,8 @@ def main(argv=None) -> int:
     a.out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{platform.node()} {os.cpu_count()} cores, shared with other jobs",
-            "command": "python tools/testbed/bench_cluster.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+            "command": shlex.join(["python", "tools/testbed/bench_cluster.py",
+                                   *(argv if argv is not None else sys.argv[1:])])}
     results = []
     try:
         for layout in a.layouts:
