@@ -91,6 +91,11 @@ class Fsdp2Gathers:
         for g in self.gathers.values():
             g.step()
 
+    def raise_pending_errors(self, *, wait: bool = True) -> None:
+        """See :meth:`ciera.CieraAllGather.raise_pending_errors`, for every unit."""
+        for g in self.gathers.values():
+            g.raise_pending_errors(wait=wait)
+
     def invalidate(self) -> None:
         """After loading a checkpoint or any other write to the sharded parameters: the next gather
         of every unit is raw and refills the caches."""

@@ -528,6 +528,13 @@ class CieraAllGather:
         else:
             codec.reset_state(state=self._state, shard=self._shard)
 
+    def raise_pending_errors(self, *, wait: bool = True) -> None:
+        """Raise the ``ValueError`` of a corrupt payload that a device decode of this bucket found and
+        has not reported yet. ``wait`` waits for the decodes in flight (a host sync: for checkpoints,
+        not the step; each agreement reports the verdicts already landed, on every rank)."""
+        for codec in self._codecs.values():
+            codec.raise_pending_errors(wait=wait)
+
     def _pending_decode_error(self) -> str | None:
         """The message of a corrupt payload that a device decode found and has not reported yet
         (landed verdicts only: no host wait), or ``None``."""

@@ -173,6 +173,11 @@ class Zero3Gather:
         self._fresh = True
         self.gathers_this_step = 0
 
+    def raise_pending_errors(self, *, wait: bool = True) -> None:
+        """See :meth:`ciera.CieraAllGather.raise_pending_errors`."""
+        if self._inner is not None:
+            self._inner.raise_pending_errors(wait=wait)
+
     def invalidate(self) -> None:
         """After any write to the shard outside the optimizer step (checkpoint load): the next
         gather is raw on every rank and refills the caches."""

@@ -40,6 +40,7 @@ from . import upstream_patch as upstream
 logger = logging.getLogger(__name__)
 
 __all__ = ["install", "uninstall", "invalidate_param_caches", "prepare_param_gathers", "finish_param_gathers",
+           "raise_pending_errors",
            "after_optimizer_step", "bucket_stats", "summary"]
 
 
@@ -270,6 +271,14 @@ def invalidate_param_caches(ddp_models: Iterable) -> None:
         s.prepared = False
         for gather in s.gathers:
             gather.invalidate()
+
+
+def raise_pending_errors(ddp_models: Iterable) -> None:
+    """Before a checkpoint: raise a corrupt payload that a device decode of any bucket found and has
+    not reported yet (waits for the decodes in flight; the step's agreements report the rest)."""
+    for s in _installed(list(ddp_models)):
+        for gather in s.gathers:
+            gather.raise_pending_errors(wait=True)
 
 
 def prepare_param_gathers(ddp_models: Iterable) -> int:

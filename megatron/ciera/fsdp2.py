@@ -224,6 +224,11 @@ def after_optimizer_step(model, *, overlap_param_gather: bool = False) -> None:
     """Nothing: the optimizer's own step hook marks the shards changed."""
 
 
+def raise_pending_errors(model) -> None:
+    """Before a checkpoint: raise a corrupt payload that a device decode found and has not reported."""
+    shared.raise_pending_errors(model, _ATTR)
+
+
 def invalidate_param_caches(model) -> None:
     """After a checkpoint load: every unit's next gather is raw and refills the caches."""
     shared.invalidate(model, _ATTR)

@@ -165,6 +165,10 @@ class _Gathers:
         for gather in self.gathers.values():
             gather.invalidate()
 
+    def raise_pending_errors(self) -> None:
+        for gather in self.gathers.values():
+            gather.raise_pending_errors(wait=True)
+
     def fresh(self, bucket_id: int) -> int:
         """Gathers of the bucket that encoded (one per optimizer step)."""
         gather = self.gathers[bucket_id]
@@ -230,6 +234,11 @@ def _gathers(model) -> list:
 
 def after_optimizer_step(model, *, overlap_param_gather: bool = False) -> None:
     """Nothing: the step's write of the shards marked them changed, and the step gathered."""
+
+
+def raise_pending_errors(model) -> None:
+    """Before a checkpoint: raise a corrupt payload that a device decode found and has not reported."""
+    shared.raise_pending_errors(model, _ATTR)
 
 
 def invalidate_param_caches(model) -> None:

@@ -18,6 +18,12 @@ def invalidate(model, attr: str) -> None:
         g.invalidate()
 
 
+def raise_pending_errors(model, attr: str) -> None:
+    """Before a checkpoint: raise a corrupt payload that a device decode found and has not reported."""
+    for g in gathers_of(model, attr):
+        g.raise_pending_errors()
+
+
 def cache_bytes(model, attr: str) -> int:
     """Bytes this rank keeps between ZeRO-3 gathers, measured (known after the first gathers)."""
     return sum(g.cache_bytes for g in gathers_of(model, attr))

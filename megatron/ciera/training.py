@@ -190,12 +190,14 @@ def params_sha256(model) -> str:
 
 def _sync_params(model, args):
     """Make every parameter buffer hold the gathered parameters (a no-op without overlap: the
-    optimizer step already gathered synchronously)."""
+    optimizer step already gathered synchronously), then wait for the verdicts of the gathers'
+    device decodes: a corrupt payload raises here, before anything is saved or evaluated."""
     if args.use_megatron_fsdp:  # the gathers it prefetched finish; its parameters become the shards
         megatron_fsdp.sync_params(model)
     elif args.overlap_param_gather:
         for chunk in model:
             chunk.start_param_sync(force_sync=True)
+    _binding(args).raise_pending_errors(model)
 
 
 def _save_snapshot(model, args, iteration):

@@ -301,9 +301,10 @@ def test_local_failures_are_agreed_not_divergent():
     assert s0.failures == s1.failures == 2 and s0.raw_gathers == s1.raw_gathers
 
 
-def _late_corruption_worker(rank, world):
+def _late_corruption_worker(rank, world, ask_at_once=False):
     """Rank 1's decode at step 5 returns a failing verdict unread, as the Triton decoder does on
-    CUDA. The next agreement must stop every rank with the same error, rank 1's naming the check."""
+    CUDA. The next agreement must stop every rank with the same error, rank 1's naming the check;
+    ``ask_at_once``: rank 1 asks for the verdicts right after that gather (as before a checkpoint)."""
     from ciera.codecs.deferred import DeviceError
 
     n = 2048
@@ -334,6 +335,13 @@ def _late_corruption_worker(rank, world):
             return step, str(e)
         assert not gather.plan.raw or step == 0, step
         gather.start().wait()
+        if ask_at_once and step == 5:
+            if rank == 0:
+                gather.raise_pending_errors()  # nothing pending here
+                return None
+            with pytest.raises(ValueError, match="injected check 2 failed"):
+                gather.raise_pending_errors()
+            return "raised"
     return None
 
 
@@ -343,3 +351,7 @@ def test_a_corrupt_payload_found_late_stops_every_rank_at_the_next_agreement():
     assert "rank(s) [1] decoded a corrupt payload" in msg0 and "here:" not in msg0
     assert "rank(s) [1] decoded a corrupt payload" in msg1 and "here: injected check 2 failed" in msg1
     assert "resume from the last checkpoint" in msg1
+
+
+def test_a_corrupt_payload_found_late_raises_when_asked_for():
+    assert run_on_ranks(_late_corruption_worker, world=2, args=(True,)) == [None, "raised"]
