@@ -22,6 +22,35 @@ def _ring_worker(rank, world):
     return out.tolist() == [r for r in range(world) for _ in range(sizes[r])]
 
 
+def _neighbours_worker(rank, world):
+    """Off NCCL the blocks travel a ring: a rank sends only to the next rank and receives only from
+    the previous one, ``world - 1`` steps, the first posted before ``wait()``."""
+    posted = []
+    real = dist.batch_isend_irecv
+
+    def record(ops):
+        posted.append(sorted(("send" if op.op is dist.isend else "recv", op.peer) for op in ops))
+        return real(ops)
+
+    dist.batch_isend_irecv = record
+    try:
+        sizes = [3 + r for r in range(world)]
+        out = torch.full((sum(sizes),), -1, dtype=torch.int32)
+        work = all_gather_uneven(out, torch.full((sizes[rank],), rank, dtype=torch.int32), sizes=sizes)
+        before = len(posted)
+        work.wait()
+    finally:
+        dist.batch_isend_irecv = real
+    ok = out.tolist() == [r for r in range(world) for _ in range(sizes[r])]
+    ring = [("recv", (rank - 1) % world), ("send", (rank + 1) % world)]
+    return ok and before == 1 and posted == [ring] * (world - 1)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_uneven_all_gather_is_a_ring_off_nccl(world):
+    assert all(run_on_ranks(_neighbours_worker, world=world))
+
+
 @pytest.mark.parametrize("world", [2, 3, 5])
 def test_uneven_all_gather_places_every_block(world):
     assert all(run_on_ranks(_ring_worker, world=world))
