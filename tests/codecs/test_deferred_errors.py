@@ -91,3 +91,26 @@ def test_a_codec_raises_a_deferred_verdict_later_and_before_its_next_decode(monk
     with pytest.raises(ValueError, match="bad 6"):
         codec.decode(payload=payload, target=untouched)
     assert torch.equal(as_bits(untouched), as_bits(prev))
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_corrupt_payload_is_raised_at_the_sync_point_not_at_the_decode():
+    """The Triton delta_ans decoder on CUDA: a decode of a corrupt payload returns without a host
+    read; the verdict lands in pinned memory and the codec raises the reference's error on request.
+    A clean decode leaves nothing to raise."""
+    n = 1 << 16
+    codec = DeltaAnsCodec(dtype=torch.bfloat16, numel=n)
+    prev = torch.randn(n, device="cuda").to(torch.bfloat16)
+    new = (prev.float() * 1.001).to(torch.bfloat16)
+    payload = torch.empty(codec.max_bytes, dtype=torch.uint8, device="cuda")
+    codec.encode(shard=new, state=codec.new_state(shard=prev), out=payload)
+    assert codec.implementation("decode", like=prev).startswith("ciera.kernels")
+    target = prev.clone()
+    codec.decode(payload=payload, target=target)
+    codec.raise_pending_errors(wait=True)
+    assert torch.equal(as_bits(target), as_bits(new))
+    bad = payload.clone()
+    bad[codec.layout.off_tables : codec.layout.off_data(0)] = 0xFF  # tables, counts: garbage
+    codec.decode(payload=bad, target=prev.clone())  # returns: the verdict is read later
+    with pytest.raises(ValueError, match="delta_ans: corrupt payload"):
+        codec.raise_pending_errors(wait=True)
