@@ -120,9 +120,24 @@ def plan_from_table(column: Sequence[tuple[int, int]], *, codec_names: dict[int,
     size = max(aligned)
     if size >= shard_bytes:
         return RAW_PLAN
-    uneven = per_rank_sizes and sum(aligned) <= (1.0 - UNEVEN_MIN_SAVING) * len(aligned) * size
     return Plan(raw=False, codec_name=codec_names[proposals[0]], size=size, payload_bytes=sum(needed),
-                sizes=tuple(aligned) if uneven else ())
+                sizes=tuple(aligned) if per_rank_sizes and uneven_pays(aligned) else ())
+
+
+def uneven_pays(aligned: Sequence[int]) -> bool:
+    """Whether ranks sending their own (16-aligned) payload sizes saves at least
+    :data:`UNEVEN_MIN_SAVING` of every rank sending the largest."""
+    return sum(aligned) <= (1.0 - UNEVEN_MIN_SAVING) * len(aligned) * max(aligned)
+
+
+def ring_bytes_per_rank(aligned: Sequence[int], *, per_rank_sizes: bool = True) -> float:
+    """The bytes per rank of the equal-size ring all-gather that takes as long as the gather these
+    payloads would get: ``max`` when every rank sends the largest; with per-rank sizes, the busiest
+    ring link carries every payload but the smallest, ``(sum - min) / (world - 1)`` per step. The
+    cost model's wire for a codec whose ranks' payloads differ."""
+    if len(aligned) < 2 or not (per_rank_sizes and uneven_pays(aligned)):
+        return float(max(aligned, default=0))
+    return (sum(aligned) - min(aligned)) / (len(aligned) - 1)
 
 
 def exchange(proposals: Sequence[Proposal], *, group, world: int, device) -> list[list[tuple[int, int]]]:

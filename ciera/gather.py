@@ -202,7 +202,7 @@ class CieraAllGather:
                 codecs=self._codecs, config=config, world=self.world, group=group, device=dev,
                 link=m.link_for(group=group, device=dev, shard_bytes=self._raw_bucket_bytes() // self.world),
                 speeds={n: m.codec_for(codec=c, group=group, device=dev) for n, c in self._codecs.items()},
-                name=self.name, measurements=m)
+                name=self.name, measurements=m, rank=self.rank)
 
     # -- public API ------------------------------------------------------------------------------
     @staticmethod

@@ -46,6 +46,7 @@ import torch
 
 from . import cost_model as cm
 from . import measure
+from .agreement import ring_bytes_per_rank
 from .codecs.base import align_up
 
 logger = logging.getLogger(__name__)
@@ -155,11 +156,15 @@ class Selector:
         name: the bucket's name, for the decision's log line.
         measurements: the group's :class:`Measurements`, if any: each decision reads its link,
             and the early re-check refines it (:meth:`Measurements.refine_link`).
+        rank: this rank's index in ``group``. Each decision agrees every rank's probed payload
+            sizes, so a codec's wire is that of the gather the agreement would plan for them (per-rank
+            sizes: :func:`ciera.agreement.ring_bytes_per_rank`), not ``world x`` the largest.
     """
 
     def __init__(self, *, codecs: dict, config, world: int, group, device, link: cm.Link,
-                 speeds: dict[str, tuple[float, float]], name: str = "bucket", measurements=None):
+                 speeds: dict[str, tuple[float, float]], name: str = "bucket", measurements=None, rank: int = 0):
         self.codecs, self.config, self.world, self.group, self.device = codecs, config, world, group, device
+        self._rank = rank  # this rank's index in ``group``: its slot in the agreed table of probe sizes
         self.name = name
         self.link = link
         self.measurements = measurements
@@ -236,17 +241,23 @@ class Selector:
         cost = time.perf_counter() - t0 + self._snapshot_s  # the probes read their sizes: synchronous
         self._refresh_speeds(current=current, stats=stats)
         per_byte = [v for n in names for v in (self.speeds[n][0].value, self.speeds[n][1].value)]
-        agreed = measure.agree(values=needed + per_byte + [float(self.shape.gathers), float(warmup_left), cost],
+        # Every rank's probe sizes through the same MAX-reduce: rank r fills its own slot of each
+        # codec's row, the others hold 0 (sizes are > 0), so the maximum is the whole table.
+        mine = [0.0] * (len(names) * self.world)
+        mine[self._rank::self.world] = needed
+        agreed = measure.agree(values=mine + per_byte + [float(self.shape.gathers), float(warmup_left), cost],
                                group=self.group, device=self.device)
         if agreed[-2] > 0:
             return int(agreed[-2]), None
         self.cost_s = agreed[-1]
         shape = dataclasses.replace(self.shape, gathers=int(agreed[-3]))  # the same on every rank
-        needed, per_byte = agreed[: len(names)], agreed[len(names):-3]
+        table, per_byte = agreed[: len(mine)], agreed[len(mine):-3]
         raw_b = self.codecs[names[0]].raw_bytes
         candidates = []
         for i, n in enumerate(names):
-            wire = align_up(math.ceil(needed[i]))  # exact payloads: the agreed max, 16-aligned
+            sizes = [align_up(math.ceil(v)) for v in table[i * self.world:(i + 1) * self.world]]
+            # the gather the agreement would plan for these sizes, as equal-ring bytes per rank
+            wire = ring_bytes_per_rank(sizes, per_rank_sizes=cfg.per_rank_sizes)
             candidates.append(cm.CodecEstimate(
                 name=n, wire_ratio=min(wire, raw_b) / max(raw_b, 1),
                 speed=cm.CodecSpeed(encode_bytes_per_s=1 / max(per_byte[2 * i], 1e-15),

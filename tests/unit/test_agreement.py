@@ -61,3 +61,13 @@ def test_a_corrupt_payload_found_late_outranks_every_other_word():
     assert plan([(2, 100), (FLAG_CORRUPT, 0)]) == Plan(raw=True, corrupt_ranks=(1,))
     assert plan([(FLAG_CORRUPT, 0), (FLAG_FAILED, 0), (FLAG_REPLAY, 3), (FLAG_CORRUPT, 0)]) == \
         Plan(raw=True, corrupt_ranks=(0, 3))
+
+
+def test_ring_bytes_per_rank_follow_the_planned_shape():
+    from ciera.agreement import ring_bytes_per_rank
+
+    assert ring_bytes_per_rank([1008, 1216, 992]) == (1008 + 1216 + 992 - 992) / 2  # per-rank sizes
+    assert ring_bytes_per_rank([1008, 1216, 992], per_rank_sizes=False) == 1216
+    assert ring_bytes_per_rank([1200, 1216, 1200]) == 1216  # saves under 1.5%: every rank the largest
+    assert ring_bytes_per_rank([700, 1216]) == 1216  # two ranks: the larger payload paces the exchange
+    assert ring_bytes_per_rank([512]) == 512

@@ -9,6 +9,7 @@ import torch
 
 import ciera.selection as selection
 from ciera import CieraConfig
+from ciera.codecs.base import align_up
 from ciera.cost_model import LinkModel
 from ciera.stats import GatherStats
 
@@ -188,3 +189,24 @@ def test_refined_link_keeps_each_sizes_faster_time(monkeypatch):
     assert m.refine_link(group=None, device="cpu") is refined  # once: no third measurement
     given = selection.Measurements(link=LINK)
     assert given.refine_link(group=None, device="cpu") is LINK and given.link_measurements == 0
+
+
+def test_a_decision_prices_the_wire_of_the_payloads_every_rank_probed(monkeypatch):
+    """Four ranks whose probes differ (rank 2's shard changes most): the agreed table holds every
+    rank's size, and the codec's wire is the per-rank-size gather's, not four times the largest."""
+    others = {1: 0.10, 2: 0.30, 3: 0.12}  # the other ranks' probes, as fractions of the shard
+
+    def agree_over_four(*, values, group=None, device=None):
+        v = list(values)  # this rank (0) filled slot 0 of the one codec's row of 4
+        for r, f in others.items():
+            v[r] = float(int(f * RAW_B))
+        return v
+
+    monkeypatch.setattr(selection.measure, "agree", agree_over_four)
+    codec = SimpleNamespace(raw_bytes=RAW_B)
+    sel = selection.Selector(codecs={"delta": codec}, config=CieraConfig(selection="auto"), world=4, group=None,
+                             device="cpu", link=LINK, speeds={"delta": (0.001 / RAW_B, 0.001 / RAW_B)}, name="b0")
+    _run(sel, lambda name, prev: int(0.10 * RAW_B), CieraConfig().warmup_gathers + 1, 0.0, 0.0)
+    wire = {p.name: p.wire_bytes_per_rank for p in sel.decision.predictions}["delta"]
+    sizes = [align_up(int(f * RAW_B)) for f in (0.10, 0.10, 0.30, 0.12)]
+    assert wire == pytest.approx((sum(sizes) - min(sizes)) / 3) and wire < max(sizes)
