@@ -538,12 +538,11 @@ class CieraAllGather:
     def _pending_decode_error(self) -> str | None:
         """The message of a corrupt payload that a device decode found and has not reported yet
         (landed verdicts only: no host wait), or ``None``."""
-        for codec in self._codecs.values():
-            try:
-                codec.raise_pending_errors()
-            except ValueError as e:
-                logger.error("%s: rank %d: %s", self.name, self.rank, e)
-                return str(e)
+        try:
+            self.raise_pending_errors(wait=False)
+        except ValueError as e:
+            logger.error("%s: rank %d: %s", self.name, self.rank, e)
+            return str(e)
         return None
 
     def _fail(self) -> None:

@@ -165,9 +165,10 @@ class _Gathers:
         for gather in self.gathers.values():
             gather.invalidate()
 
-    def raise_pending_errors(self) -> None:
+    def raise_pending_errors(self, *, wait: bool = True) -> None:
+        """See :meth:`ciera.CieraAllGather.raise_pending_errors`, for every bucket."""
         for gather in self.gathers.values():
-            gather.raise_pending_errors(wait=True)
+            gather.raise_pending_errors(wait=wait)
 
     def fresh(self, bucket_id: int) -> int:
         """Gathers of the bucket that encoded (one per optimizer step)."""
