@@ -27,6 +27,11 @@ Invariant the gathers rely on: between two gathers of a bucket, only this rank's
 ``param_data`` changes (the optimizer writes it). Anything else that writes parameter buffers
 (checkpoint load, parameter broadcast, offload/reload) must be followed by
 :func:`invalidate_param_caches`, which makes the next gather of every bucket raw.
+
+Errors unwind: when a bucket's prepare, start or wait raises, the gathers already started are
+waited, the others dropped back to idle (their next gather raw on every rank), and the first error
+propagates; no gather is left proposed, agreed or in flight, so a checkpoint save and a clean exit
+(or the same request again) work (``tests/megatron/test_mc_bucket_group_errors.py``).
 """
 
 from __future__ import annotations
@@ -45,15 +50,56 @@ __all__ = ["install", "uninstall", "invalidate_param_caches", "prepare_param_gat
 
 
 class _GroupHandle:
-    """What ``param_gather_handle`` holds: ``wait()`` finishes every bucket's gather, once."""
+    """What ``param_gather_handle`` holds: ``wait()`` finishes every bucket's gather, once (also
+    when one of them raises: :func:`_wait_all`)."""
 
     def __init__(self, handles):
         self._handles = handles
 
     def wait(self):
         handles, self._handles = self._handles, []
-        for handle in handles:
+        _wait_all(handles)
+
+
+def _wait_all(handles) -> None:
+    """Wait every handle, even after one raised (each wait returns its gather to idle, and the
+    collectives behind the others were launched on every rank), then raise the first error."""
+    first = None
+    for handle in handles:
+        try:
             handle.wait()
+        except BaseException as e:  # noqa: BLE001 - re-raised below, once every gather is idle
+            if first is None:
+                first = e
+            else:
+                logger.error("CIERA all-gather: a further gather failed while unwinding: %r", e)
+    if first is not None:
+        raise first
+
+
+def _start_all(gathers) -> _GroupHandle:
+    """Start every gather of a bucket group. When one ``start()`` raises, no gather is left in
+    flight or agreed: those started are waited, the failing one and the rest are dropped back to
+    idle (``invalidate()``: their next gather is raw on every rank), then the error propagates."""
+    handles = []
+    try:
+        for gather in gathers:
+            handles.append(gather.start())
+    except BaseException:
+        _unwind(gathers[len(handles):], handles)
+        raise
+    return _GroupHandle(handles)
+
+
+def _unwind(gathers, handles) -> None:
+    """After an error: ``gathers`` back to idle (``invalidate()``), ``handles`` waited; a further
+    error here is logged, so the first one is what the caller sees."""
+    for gather in gathers:
+        gather.invalidate()
+    try:
+        _wait_all(handles)
+    except BaseException as e:  # noqa: BLE001 - the caller re-raises the first error
+        logger.error("CIERA all-gather: a gather started before the failure also failed: %r", e)
 
 
 @dataclass
@@ -78,7 +124,11 @@ class _Binding:
                 and not upstream.gather_in_flight(s.bucket_group) and s.launched is None]
         gathers = [g for s in todo for g in s.gathers]
         if gathers:
-            type(gathers[0]).prepare_many(gathers, group=process_group)
+            try:
+                type(gathers[0]).prepare_many(gathers, group=process_group)
+            except BaseException:  # no gather stays proposed or agreed; the groups stay written
+                _unwind(gathers, [])
+                raise
         for s in todo:
             s.prepared = True
         return len(gathers)
@@ -109,7 +159,7 @@ class _Binding:
         if ahead:
             todo += [s for s in self.groups if s is not state and s.process_group is state.process_group
                      and s.prepared and s.launched is None and not s.overlap]
-        for s in todo:
+        for i, s in enumerate(todo):
             # One collective per bucket, each with its own handle, where upstream coalesces a
             # group's all_gather_into_tensor calls (_coalescing_manager). The sizes are no reason:
             # prepare() agreed every payload size of the process group before this launch. Two
@@ -121,19 +171,40 @@ class _Binding:
             # each bucket group (partition_buckets), several only with disable_bucketing (one per
             # parameter dtype), and the synchronous groups of a process group already go out
             # back to back here.
-            s.launched = _GroupHandle([gather.start() for gather in s.gathers])
+            try:
+                s.launched = _start_all(s.gathers)
+            except BaseException:
+                self._unwind_launch(done=todo[:i], failed=todo[i:])
+                raise
             s.prepared = False
             s.written = not self.tracks_writes
         handle, state.launched = state.launched, None
         return handle
 
+    @staticmethod
+    def _unwind_launch(*, done, failed) -> None:
+        """A ``start()`` of a group in ``failed`` raised (its own started gathers are waited
+        already): wait the groups launched before it in the same request and drop the prepared,
+        unlaunched ones back to idle, still written, so every gather is idle and the next request
+        gathers them again (raw: ``invalidate()``)."""
+        for s in failed:
+            _unwind(s.gathers, [])
+            s.prepared, s.written = False, True
+        handles = []
+        for s in done:
+            handles.append(s.launched)
+            s.launched = None
+        _unwind([], handles)
+
     def finish_launched(self) -> int:
         """Wait for every group started ahead whose own request has not come (none, when upstream
         asks for every group in the optimizer step, as it does). Returns how many it waited."""
         pending = [s for s in self.groups if s.launched is not None]
+        handles = []
         for s in pending:
-            handle, s.launched = s.launched, None
-            handle.wait()
+            handles.append(s.launched)
+            s.launched = None
+        _wait_all(handles)  # every one, even after one raised
         return len(pending)
 
     def owners(self, param_data) -> list:
