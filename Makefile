@@ -14,11 +14,14 @@ setup-demo: $(VENV)/.base $(VENV)/.native
 setup: $(VENV)/.installed $(VENV)/.native
 
 # pip builds the native codecs from the current C source, hence the .native stamp.
+# pip -qq --disable-pip-version-check: errors only, no banners (the demo's output stays short).
+PIP_QUIET := -qq --disable-pip-version-check
 $(VENV)/.base: setup.py
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
-	$(BIN)/python -m pip install -q -e '.[cpu,plots]'
-	touch $@ $(VENV)/.native
+	@echo "setting up $(VENV) (torch CPU, megatron-core, matplotlib)"
+	@$(PYTHON) -m venv $(VENV)
+	@$(BIN)/python -m pip install $(PIP_QUIET) --upgrade pip setuptools wheel
+	@$(BIN)/python -m pip install $(PIP_QUIET) -e '.[cpu,plots]'
+	@touch $@ $(VENV)/.native
 
 $(VENV)/.installed: $(VENV)/.base
 	$(BIN)/python -m pip install -q -e '.[cpu,triton,dev]'
@@ -36,7 +39,7 @@ native: | $(VENV)/.base
 	touch $(VENV)/.native
 
 demo: setup-demo
-	$(BIN)/python examples/cpu_demo.py
+	@$(BIN)/python examples/cpu_demo.py
 
 test: setup testbed-setup
 	$(BIN)/python -m pytest -q

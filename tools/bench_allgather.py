@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import warnings
 from pathlib import Path
 
 import torch
@@ -41,13 +42,16 @@ from ciera.entropy import ChangeEntropy
 from ciera.model_trajectory import SHAPES, ModelTrajectory
 from ciera.testing import run_on_ranks
 from ciera.trajectory import AdamTrajectory
-from tools._common import timed_collective, write_table
+from tools._common import timed_collective
 from tools.testbed.bench_gather import mode_config
 
 
 def _worker(rank, world, numel, codecs, lr, warmup, steps, device_type, buffers=None):
     """``buffers``: the model layout's flat buffer after every step (``warmup + steps`` of them);
     None: this rank's shard follows its own AdamTrajectory."""
+    # The plain baseline is all_gather_into_tensor, the collective Megatron calls; newer torch
+    # marks it deprecated on every call.
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
     device = torch.device(f"cuda:{rank}") if device_type == "cuda" else torch.device("cpu")
     if device_type == "cuda":
         torch.cuda.set_device(device)
@@ -158,6 +162,7 @@ def main(argv=None) -> int:
     lines = ["| values | codec | plain ms | CIERA ms | speed-up | mean speed-up | wire/raw | payload/raw "
              "| compressed wire/payload | equal sizes: wire/payload | per-rank sizes | bits/value | H(d) "
              "| H(d given exp) | bit-exact | raw gathers | decisions | switches (step:mode) |", "|---" * 18 + "|"]
+    print("\n".join(lines), flush=True)  # the header, then each row as it is measured
     for numel in args.numel:
         results = run_on_ranks(_worker, world=args.world,
                                args=(numel, args.codecs, args.lr, args.warmup, args.steps, "cpu", buffers))
@@ -186,7 +191,8 @@ def main(argv=None) -> int:
                          f"| {bits:.3f} | {h0:.3f} | {he:.3f} | {args.steps} steps "
                          f"| {s.raw_gathers} | {results[0]['decisions'][c]} | {_switches(results[0]['modes'][c])} |")
             print(lines[-1], flush=True)
-    write_table(lines, args.out_md)
+    if args.out_md:
+        Path(args.out_md).write_text("\n".join(lines) + "\n")
     return 0
 
 

@@ -571,10 +571,17 @@ def write_plots(*, out_dir: Path, rows: list[dict], summary: dict[str, dict], no
             fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 4), fontsize=8,
                        frameon=False)
 
-    ptypes = [t for t in [*PARAM_TYPES, ALL] if any(t in r["types"] for r in rows)]
+    # "all" first, drawn as a wide pale band underneath; each type on top with its own marker, so a
+    # type that runs along the mean stays visible.
+    ptypes = [t for t in [ALL, *PARAM_TYPES] if any(t in r["types"] for r in rows)]
     its = lambda t: [r["iteration"] for r in rows if t in r["types"]]  # noqa: E731
     series = lambda t, f: [f(r["types"][t]) for r in rows if t in r["types"]]  # noqa: E731
-    style = lambda t: {"color": "black", "lw": 2} if t == ALL else {"lw": 1}  # noqa: E731
+    markers = dict(zip(PARAM_TYPES, "os^vD<>pPX*h"))
+
+    def style(t: str) -> dict:
+        if t == ALL:
+            return {"color": "0.55", "lw": 5, "alpha": 0.45, "zorder": 1}
+        return {"lw": 1.2, "marker": markers.get(t, "o"), "markersize": 3.5, "zorder": 2}
     show_warmup = bool(rows) and rows[0]["prev_iteration"] < warmup <= rows[-1]["iteration"]
     paths = []
 
@@ -591,10 +598,8 @@ def write_plots(*, out_dir: Path, rows: list[dict], summary: dict[str, dict], no
             ax.axvline(warmup, color="grey", ls=":", lw=1)
     for line, t in zip(axes[2].get_lines(), ptypes):
         axes[2].plot(its(t), series(t, lambda p: p["delta_entropy_bits"]), ls="--", color=line.get_color(),
-                     lw=line.get_linewidth())
-    axes[0].set_yscale("symlog", linthresh=0.01)
+                     lw=line.get_linewidth(), alpha=line.get_alpha(), zorder=line.get_zorder())
     axes[0].set_ylim(bottom=0)
-    axes[0].set_ylabel("exponents changed (%, log above 0.01)")
     titled(fig, f"Parameter changes between snapshots, {note}, by parameter type")
     legend_below(fig, axes[0])
     axes[-1].set_xlabel("iteration")
@@ -605,7 +610,7 @@ def write_plots(*, out_dir: Path, rows: list[dict], summary: dict[str, dict], no
     fig, ax = plt.subplots(figsize=(9, 5.5), layout="constrained")
     for t, s in summary.items():
         bs = [int(b) for b in s["block_changed"]]
-        ax.plot(bs, [100 * v for v in s["block_changed"].values()], marker="o", label=t, **style(t))
+        ax.plot(bs, [100 * v for v in s["block_changed"].values()], label=t, **{"marker": "o", **style(t)})
     if ALL in summary:
         p = summary[ALL]["exp_changed"]
         bs = [int(b) for b in summary[ALL]["block_changed"]]
@@ -621,7 +626,8 @@ def write_plots(*, out_dir: Path, rows: list[dict], summary: dict[str, dict], no
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
 
-    codecs = sorted({k for r in rows for p in r["types"].values() for k in p["codec_ratio"]})
+    # raw's ratio is 1 by definition: no panel for it
+    codecs = sorted({k for r in rows for p in r["types"].values() for k in p["codec_ratio"]} - {"raw"})
     fig, axes = plt.subplots(max(1, len(codecs)), 1, figsize=(9, 3 * max(1, len(codecs)) + 1.2), sharex=True,
                              squeeze=False, layout="constrained")
     for ax, c in zip(axes[:, 0], codecs):

@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -74,6 +75,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--loss-log", default=None, help="rank 0 writes 'step micro loss.hex()' lines here")
+    p.add_argument("--units-json", default=None, metavar="FILE",
+                   help="with --ciera, rank 0 writes each unit's gather counters here as JSON "
+                        "(tools/testbed/bench_zero3.py reads them; default: not written)")
     return p.parse_args(argv)
 
 
@@ -144,9 +148,10 @@ def main(argv=None) -> int:
             s = gathers.stats()
             print(f"CIERA: {s.raw_bytes / 2**20:.1f} MiB raw -> {s.wire_bytes / 2**20:.1f} MiB on the wire "
                   f"({s.ratio:.2f}x), cache {gathers.cache_bytes / 2**20:.2f} MiB per rank", flush=True)
-            units = {name or "root": {"fresh_gathers": g.fresh_gathers, **g.stats.as_dict()}
-                     for name, g in gathers.gathers.items()}
-            print(f"CIERA units: {json.dumps(units)}", flush=True)  # for tools/testbed/bench_zero3.py
+            if a.units_json:
+                units = {name or "root": {"fresh_gathers": g.fresh_gathers, **g.stats.as_dict()}
+                         for name, g in gathers.gathers.items()}
+                Path(a.units_json).write_text(json.dumps(units))
         print(f"params sha256: {digest}", flush=True)
     if log:
         log.close()

@@ -181,8 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "two runs (default: not written)")
     g.add_argument("--ciera-allgather", action="store_true",
                    help="gather parameters with CIERA's lossless compressed all-gather (default: off, "
-                        "Megatron's gather). Needs --use-distributed-optimizer. Use it where the "
-                        "parameter all-gather is communication-bound (slow links, MoE experts)")
+                        "Megatron's gather). Works with --use-distributed-optimizer (ZeRO-1), --use-megatron-fsdp or "
+                        "--use-torch-fsdp2. Use it where the parameter all-gather is communication-bound "
+                        "(slow links, MoE experts)")
     g.add_argument("--ciera-codec", choices=list(CODECS), default=None,
                    help=f"codec of compressed gathers (default {d.codec}: the cost model picks per bucket). "
                         "delta_ans sends fewest bytes (entropy-coded delta, slowest), delta nearly as few; "
@@ -216,6 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{UNEVEN_MIN_SAVING * 100:g}%% of the equal-size gather (default "
                         f"{str(d.per_rank_sizes).lower()}; false: every rank sends the largest payload, one equal "
                         "all-gather: the baseline that measures the saving)")
+    g.add_argument("--ciera-log-buckets", action="store_true",
+                   help="at every log interval, also print CIERA's per-bucket table (bytes, ratio, codec "
+                        "times, gathers) and each bucket's selection decision with its predicted times "
+                        "(default: off: the iteration line's 'ciera raw/wire' and at most one CIERA line "
+                        "per interval)")
     g.add_argument("--ciera-snapshot-dir", default=None, metavar="DIR",
                    help="rank 0 saves the gathered parameters here for tools/exponent_stats.py "
                         "(default: none; needs --ciera-snapshot-interval)")

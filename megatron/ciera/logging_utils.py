@@ -1,5 +1,6 @@
-"""Logs of ``pretrain_gpt.py``: Megatron-LM's iteration line, CIERA's per-bucket tables, and the
-metric sinks (TensorBoard, Weights & Biases, the exact per-iteration loss log).
+"""Logs of ``pretrain_gpt.py``: Megatron-LM's iteration line, CIERA's per-bucket tables
+(``--ciera-log-buckets``) and selection line, and the metric sinks (TensorBoard, Weights & Biases,
+the exact per-iteration loss log).
 
 * :class:`IntervalLosses` keeps the losses of one log interval on the device (no host sync per
   iteration); the log line, TensorBoard and wandb all get the same interval mean.
@@ -12,6 +13,7 @@ metric sinks (TensorBoard, Weights & Biases, the exact per-iteration loss log).
 from __future__ import annotations
 
 import datetime
+import logging
 import math
 import os
 
@@ -84,6 +86,40 @@ def bucket_table(stats, title: str) -> str:
     raw, wire = totals(stats)
     lines.append(f"{'total':<22} {raw / MB:9.3f} {wire / MB:9.3f} {_ratio(raw, wire):5.2f}x")
     return "\n".join(lines)
+
+
+class SelectionLog(logging.Handler):
+    """Rank 0's view of ``ciera.selection``'s decisions (rank-identical, so one rank says them).
+
+    With ``each`` (``--ciera-log-buckets``) every decision is printed as it happens, with its
+    predicted times. Otherwise decisions are held and :meth:`interval_line` folds those of one
+    log interval into a single line: the codecs chosen, how many buckets each, and why raw where
+    compression was not faster."""
+
+    def __init__(self, *, each: bool, out=print):
+        super().__init__(level=logging.INFO)
+        self.each, self._out = each, out
+        self._pending: list[tuple[str, str]] = []  # (choice, reason) since the last interval line
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.each:
+            self._out(f"CIERA {record.getMessage()}")
+            return
+        a = record.args if isinstance(record.args, tuple) else ()
+        self._pending.append((str(a[1]), str(a[2])) if len(a) == 3 else ("?", record.getMessage()))
+
+    def interval_line(self) -> str | None:
+        """One line for the decisions since the last call (None when there were none)."""
+        if not self._pending:
+            return None
+        pending, self._pending = self._pending, []
+        counts: dict[str, int] = {}
+        for choice, _ in pending:
+            counts[choice] = counts.get(choice, 0) + 1
+        chosen = ", ".join(f"{c} on {n} bucket{'s' if n > 1 else ''}" for c, n in counts.items())
+        why = ("raw: compressing is not faster on this link, --ciera-selection always compresses anyway; "
+               if any(c == "raw" and "compressing is not faster" in r for c, r in pending) else "")
+        return f"CIERA selection: {chosen} ({why}--ciera-log-buckets: each bucket's predicted times)"
 
 
 def write_tensorboard(writer, stats, iteration: int) -> None:

@@ -46,18 +46,22 @@ def _print0(*a, **k):
         print(*a, **k, flush=True)
 
 
-def _log_selection_decisions(args) -> None:
-    """Rank 0 prints every CIERA selection switch (``ciera.selection`` INFO: raw or which codec,
-    with the predicted times that decided it) even without ``--logging-level``; the choices are
-    rank-identical, so one rank says it for all."""
+def _log_selection_decisions(args) -> logging_utils.SelectionLog | None:
+    """Rank 0 reports CIERA's selection decisions (``ciera.selection`` INFO: raw or which codec)
+    even without ``--logging-level``: one line per log interval, or each decision with its
+    predicted times under ``--ciera-log-buckets``. The choices are rank-identical, so one rank
+    says them for all."""
     lg = logging.getLogger("ciera.selection")
-    if args.logging_level is not None or dist.get_rank() != 0 or lg.handlers:
-        return  # --logging-level given: the user's choice stands
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("CIERA %(message)s"))
+    if args.logging_level is not None or dist.get_rank() != 0:
+        return None  # --logging-level given: the user's choice stands
+    for h in lg.handlers:
+        if isinstance(h, logging_utils.SelectionLog):
+            lg.removeHandler(h)  # a second train() in this process replaces the first one's
+    handler = logging_utils.SelectionLog(each=args.ciera_log_buckets, out=_print0)
     lg.addHandler(handler)
     lg.setLevel(logging.INFO)
     lg.propagate = False
+    return handler
 
 
 def _binding(args):
@@ -274,6 +278,7 @@ class _Run:
         self.faults = failfast.FaultPlan.from_env()  # CIERA_FAULT_INJECT (tests); None normally
         self.profiler = profiling.StepProfiler.from_args(args, rank=dist.get_rank())  # --profile (None without)
         self.batches = batch_schedule.BatchSchedule.from_args(args)  # the global batch of each iteration
+        self.selection_log: logging_utils.SelectionLog | None = None  # rank 0's selection lines
 
 
 def _train_step(run: _Run, batches):
@@ -355,9 +360,11 @@ def _log_interval(run: _Run, grad_norm, num_zeros, interval_start: float) -> Non
     block = timers.timers_block(run.timers, args=args, iterations=n, codec_ms=codec_ms)
     if block:
         _print0(block)
-    if interval_stats:
+    if interval_stats and args.ciera_log_buckets:
         _print0(logging_utils.bucket_table(
             interval_stats, f"CIERA buckets, iterations {it - len(steps) + 1}-{it} (bytes rank 0 received):"))
+    if run.selection_log is not None and (line := run.selection_log.interval_line()):
+        _print0(line)
     if w is not None and w.enabled:
         w.add_scalar("lm loss", mean, it)
         if args.log_learning_rate_to_tensorboard:
@@ -461,7 +468,7 @@ def train(args, *, watchdogs: list | None = None) -> str:
         set_experimental_flag(True)
     if watchdogs is not None:
         watchdogs.append(watchdog_lib.Watchdog(timeout_s=60.0 * args.distributed_timeout_minutes).start())
-    _log_selection_decisions(args)
+    selection_log = _log_selection_decisions(args)
     _report_cpu_ignored(args)
     if note := upstream_notices.fallback_note(device=_device(args)):
         _print0(note)
@@ -477,6 +484,7 @@ def train(args, *, watchdogs: list | None = None) -> str:
     start_iter = _load_checkpoint(args, model, optimizer, scheduler)
     datasets = data.build_datasets(args, tokenizer)
     run = _Run(args, model, optimizer, scheduler, config, datasets, step_timers, ciera_config, start_iter)
+    run.selection_log = selection_log
     completed = _train_loop(run)
     if run.profiler is not None:  # a window the run ended inside is written now
         run.profiler.close()
@@ -490,6 +498,8 @@ def train(args, *, watchdogs: list | None = None) -> str:
         _evaluate(run, split="valid", index=evaluation.eval_index(it + (args.eval_interval or 0), args.eval_interval),
                   prefix=f"iteration {it} on validation set")
         _evaluate(run, split="test", index=0, prefix=f"iteration {it} on test set")
+    if run.selection_log is not None and (line := run.selection_log.interval_line()):
+        _print0(line)  # decisions after the last log line
     if ciera_config is not None:
         _print0(_binding(args).summary(model))
     if run.loss_log is not None:

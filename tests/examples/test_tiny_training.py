@@ -51,11 +51,28 @@ def train_tiny(model: str, ciera: str, tmp_path: Path, **env: str) -> tuple[str,
     return shas[0], losses, output
 
 
+def ciera_lines_per_interval(output: str) -> list[int]:
+    """Lines starting with 'CIERA' after each iteration line, up to the closing summary."""
+    counts: list[int] = []
+    for line in output.splitlines():
+        if line.startswith("CIERA summary"):
+            break
+        if "] iteration " in line and "consumed samples" in line:
+            counts.append(0)
+        elif line.startswith("CIERA") and counts:
+            counts[-1] += 1
+    return counts
+
+
 def check_lossless(model: str, tmp_path: Path) -> None:
     base_sha, base_losses, base_out = train_tiny(model, "0", tmp_path)
     ciera_sha, ciera_losses, ciera_out = train_tiny(model, "1", tmp_path)
     # Not a vacuous comparison: CIERA really gathered compressed buckets, the baseline did not.
     assert "CIERA summary" in ciera_out and "CIERA summary" not in base_out
+    # Quiet by default: no per-bucket tables, at most one CIERA line per log interval (the selection's).
+    counts = ciera_lines_per_interval(ciera_out)
+    assert len(counts) == 10 and max(counts) <= 1 and "CIERA selection:" in ciera_out, ciera_out[-4000:]
+    assert "CIERA buckets" not in ciera_out
     assert sorted(base_losses) == list(range(1, 11))
     assert ciera_losses == base_losses
     assert ciera_sha == base_sha

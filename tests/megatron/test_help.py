@@ -49,3 +49,11 @@ def test_help_prints_every_ciera_flag_without_importing_megatron_core():
         assert action.option_strings[0] in res.stdout
     assert "CIERA and this entry point" in res.stdout
     assert res.stdout.rstrip().endswith("MEGATRON_CORE_ABSENT"), res.stdout[-500:]
+
+
+def test_ciera_allgather_help_names_every_engine_it_binds_to():
+    helps = {a.option_strings[0]: a.help for a in _ciera_actions()}
+    text = helps["--ciera-allgather"]
+    for flag in ("--use-distributed-optimizer", "--use-megatron-fsdp", "--use-torch-fsdp2"):
+        assert flag in text, text
+    assert "Needs" not in text

@@ -45,7 +45,7 @@ def strategy(name):
     return ("--data-parallel-sharding-strategy", name)
 
 
-CIERA = ("--ciera-allgather", "--ciera-selection", "always", "--ciera-codec", "exponent_reuse")
+CIERA = ("--ciera-allgather", "--ciera-selection", "always", "--ciera-codec", "exponent_reuse", "--ciera-log-buckets")
 MICRO = 2  # micro batches per step
 
 

@@ -127,6 +127,8 @@ def bench_gather(tb, *, nproc, numel, warmup, steps, timeout, work: Path, bucket
 def bench_train(tb, *, nproc, flags, mode, overlap, timeout, work: Path) -> dict:
     loss_log = work / "losses.txt"
     f = list(flags) + TRAIN_MODES[mode] + ["--ciera-loss-log", str(loss_log)]
+    if "--ciera-allgather" in f:
+        f.append("--ciera-log-buckets")  # each bucket's selection line: the simulator reads its bytes
     if not overlap:
         f.remove("--overlap-param-gather")
     logs = _torchrun_all(tb, [str(ROOT / "pretrain_gpt.py"), *f], nproc=nproc, timeout=timeout, log_dir=work)

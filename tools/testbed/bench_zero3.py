@@ -36,14 +36,15 @@ RUNS = {"baseline": ("FSDP2 all-gather", []),
 ITER_MS = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
 SHA = re.compile(r"params sha256: ([0-9a-f]{64})")
 BYTES = re.compile(r"CIERA: ([0-9.]+) MiB raw -> ([0-9.]+) MiB on the wire")
-UNITS = re.compile(r"^CIERA units: (.*)$", re.M)
 
 
 def run(tb: Testbed, *, flags: list[str], extra: list[str], work: Path, timeout: float) -> dict:
     """One training run on every host; its per-step times, digest, losses and bytes."""
     work.mkdir(parents=True, exist_ok=True)
     loss_log = work / "losses.txt"
-    script = [str(ROOT / "examples" / "fsdp2" / "train_fsdp2.py"), *flags, *extra, "--loss-log", str(loss_log)]
+    units = work / "units.json"
+    script = [str(ROOT / "examples" / "fsdp2" / "train_fsdp2.py"), *flags, *extra, "--loss-log", str(loss_log),
+              *(["--units-json", str(units)] if "--ciera" in flags else [])]
     text = "\n".join(_torchrun_all(tb, script, nproc=1, timeout=timeout, log_dir=work))
     ms = [float(x) for x in ITER_MS.findall(text)]
     sha = SHA.search(text)
@@ -51,7 +52,7 @@ def run(tb: Testbed, *, flags: list[str], extra: list[str], work: Path, timeout:
     return {"ms": statistics.median(ms[2:] or ms) if ms else None, "ms_all": ms,
             "sha256": sha.group(1) if sha else None, "losses": loss_log.read_text() if loss_log.exists() else "",
             "raw_mib": float(b.group(1)) if b else None, "wire_mib": float(b.group(2)) if b else None,
-            "units": json.loads(UNITS.search(text).group(1)) if UNITS.search(text) else None}
+            "units": json.loads(units.read_text()) if units.exists() else None}
 
 
 def predict_s(*, base_s: float, units: dict, link, world: int, micro_batches: int, cache: str) -> float:
