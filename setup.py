@@ -55,6 +55,7 @@ setup(
     description="Lossless compressed parameter all-gather (CIERA) for Megatron-Core MoE training",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
+    license="Apache-2.0",
     python_requires=">=3.10",
     # tools: the benchmarks, simulator and testbed import each other as ``tools.*`` (run as
     # ``python tools/x.py`` from anywhere, no path set-up); their data files stay in the checkout.
@@ -66,7 +67,8 @@ setup(
     package_data={"megatron.ciera": ["upstream_flags*.json"]},  # the upstream flag tables the parser reads
     install_requires=[
         "torch>=2.4",
-        "megatron-core>=0.16.1",
+        # The tested releases (0.16.1 and 0.19.2); the binding's version gates refuse others by name.
+        "megatron-core>=0.16.1,<0.20",
         "numpy",
         "psutil",  # megatron-core's dist_checkpointing writer needs it
         "einops",  # megatron-core's Megatron-FSDP (--use-megatron-fsdp) builds its device meshes with it
