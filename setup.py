@@ -85,6 +85,9 @@ setup(
         "dev": ["pytest>=8", "hypothesis>=6", "matplotlib", "tensorboard", "wandb", "transformers", "tiktoken",
                 "sentencepiece"],
         "logging": ["tensorboard", "wandb"],
+        # ciera.integrations.torchtitan (examples/torchtitan): torchtitan's own trainer. Its datasets pin
+        # downgrades transformers 5's huggingface_hub, so .ci/run installs it into .venv with --no-deps.
+        "torchtitan": ["torchtitan==0.3.0"],
         # Peers in tools/bench_codec.py (optional rows): ZipNN and zstd.
         "peers": ["zipnn", "zstandard"],
     },
