@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .base import HEADER_BYTES, Codec, PayloadHeader, align_up, write_header
-from .registry import register_codec
+from .registry import WIRE_WORDS, register_codec
 
 
 @register_codec
@@ -13,7 +13,7 @@ class RawCodec(Codec):
     """Sends every byte. Stateless; never overflows at capacity >= ``max_bytes``."""
 
     name = "raw"
-    codec_id = 0
+    codec_id = WIRE_WORDS["raw"]
     reads_previous = "nothing"
 
     def __init__(self, *, dtype: torch.dtype, numel: int, backend: str = "auto", block_size: int = 1):

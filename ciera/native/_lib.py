@@ -135,10 +135,17 @@ def statuses() -> dict[str, int]:
     return codes
 
 
-def raise_for(name: str, rc: int) -> None:
-    """Turn a negative return code of the library into a ValueError with its message."""
+def raise_for(name: str, rc: int, *, codec_id: int | None = None) -> None:
+    """Turn a negative return code of the library into a ValueError with its message (naming
+    ``codec_id`` when the library refused it as unknown: ``CIERA_E_CODEC``)."""
     if rc < 0:
-        raise ValueError(f"{name}: {message(rc)}")
+        raise ValueError(f"{name}: {message(rc)}{_codec_note(rc, codec_id)}")
+
+
+def _codec_note(rc: int, codec_id: int | None) -> str:
+    if codec_id is not None and rc == statuses().get("CIERA_E_CODEC"):
+        return f": codec id {codec_id}"
+    return ""
 
 
 @functools.cache
@@ -190,7 +197,7 @@ def decode_many(*, name: str, codec_id: int, clayout, bits_dtype: torch.dtype, n
     if rc < 0:
         i = int(bad.value)
         where = (f"entry {i} (row {int(rows[i])}, offset {int(offsets[i])})" if 0 <= i < rows.numel() else "")
-        raise ValueError(f"{name}: decode_many {where}: {message(rc)}")
+        raise ValueError(f"{name}: decode_many {where}: {message(rc)}{_codec_note(rc, codec_id)}")
 
 
 class Direct:
@@ -220,7 +227,7 @@ class Direct:
             return False
         rc = self._lib.ciera_encode(self._id, self._addr, shard.data_ptr(), state.data_ptr(), out.data_ptr(), cap,
                                     threads())
-        raise_for(self._name, rc)
+        raise_for(self._name, rc, codec_id=self._id)
         return True
 
     def decode(self, *, payload: torch.Tensor, target: torch.Tensor) -> bool:
@@ -230,7 +237,7 @@ class Direct:
                                     threads())
         if rc == self._refused:  # the checked path says why
             return False
-        raise_for(self._name, rc)
+        raise_for(self._name, rc, codec_id=self._id)
         return True
 
 

@@ -595,7 +595,29 @@ def test_statuses_and_messages_are_read_from_the_library():
         _lib.raise_for("delta", codes["CIERA_E_TRUNCATED"])
     bad = ctypes.c_int64(0)  # an unknown codec id is refused before any entry is read
     rc = native.library().ciera_decode_many(99, None, None, 0, None, None, 1, None, 1, 0, 1, ctypes.byref(bad))
-    assert rc == codes["CIERA_E_ARGS"] and bad.value == -1
+    assert rc == codes["CIERA_E_CODEC"] and bad.value == -1
+
+
+@pytest.mark.parametrize("codec_id", [0, 4, 99, -1])  # 0: raw, which has no native twin
+def test_unknown_codec_id_fails_with_a_named_status_at_every_entry_point(codec_id):
+    lib, codes = native.library(), _lib.statuses()
+    assert lib.ciera_codec_name(codec_id) is None
+    out = torch.zeros(64, dtype=torch.uint8)
+    assert lib.ciera_encode(codec_id, None, None, None, out.data_ptr(), out.numel(), 1) == codes["CIERA_E_CODEC"]
+    assert lib.ciera_decode(codec_id, None, out.data_ptr(), out.numel(), None, 1) == codes["CIERA_E_CODEC"]
+    with pytest.raises(ValueError, match=f"unknown codec id .*: codec id {codec_id}$"):
+        _lib.decode_many(name="x", codec_id=codec_id, clayout=ctypes.c_int64(0), bits_dtype=torch.int16, numel=4,
+                         payloads=out, rows=torch.zeros(1, dtype=torch.int64),
+                         offsets=torch.zeros(1, dtype=torch.int64), targets_bits=torch.zeros(2, 4, dtype=torch.int16))
+
+
+def test_native_codec_ids_are_the_wire_table():
+    from ciera.codecs.registry import WIRE_WORDS
+
+    ids = {name: word for name, word in WIRE_WORDS.items() if word > 0}
+    assert {name: make_codec(name, dtype=torch.bfloat16, numel=8).codec_id for name in ids} == ids
+    assert {name: native.library().ciera_codec_name(word).decode() for name, word in ids.items()} == \
+        {name: name for name in ids}
 
 
 def test_dispatch_auto_native_torch(monkeypatch):

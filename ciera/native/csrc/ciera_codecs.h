@@ -49,7 +49,8 @@
     X(CIERA_E_STREAM, -11, "corrupt payload: an entropy-coded stream does not end on its last word and initial state") \
     X(CIERA_E_NO_TABLE, -12, "corrupt payload: a value's context has no frequency table")                  \
     X(CIERA_E_RAW_MARKS, -13, "corrupt payload: a raw block's streams are not all marked raw")             \
-    X(CIERA_E_WORDS, -14, "corrupt payload: a stream holds more words than its values can emit")
+    X(CIERA_E_WORDS, -14, "corrupt payload: a stream holds more words than its values can emit") \
+    X(CIERA_E_CODEC, -15, "unknown codec id (not one of the CIERA_CODEC_* ids this library was built with)")
 
 typedef enum {
 #define CIERA_STATUS_ENUM(name, value, message) name = value,
@@ -57,7 +58,9 @@ typedef enum {
 #undef CIERA_STATUS_ENUM
 } ciera_status;
 
-/* Codec ids, as in the payload header and the Python codecs' `codec_id`. */
+/* Codec ids, as in the payload header and the Python codecs' `codec_id`: the non-negative words of
+ * ciera.codecs.registry.WIRE_WORDS (0, raw, is never passed here). An entry point given any other id
+ * returns CIERA_E_CODEC. */
 enum { CIERA_CODEC_EXPONENT_REUSE = 1, CIERA_CODEC_DELTA = 2, CIERA_CODEC_DELTA_ANS = 3 };
 
 /* Layouts: one payload shape each, every field an int64_t, filled by _lib.py by name from the

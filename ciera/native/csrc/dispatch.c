@@ -12,17 +12,20 @@ static int known_codec(int codec) {
     return codec == CIERA_CODEC_EXPONENT_REUSE || codec == CIERA_CODEC_DELTA || codec == CIERA_CODEC_DELTA_ANS;
 }
 
-/* The smallest payload of the codec's layout: header and fixed sections. */
+/* The smallest payload of the codec's layout: header and fixed sections; CIERA_E_CODEC for an
+ * unknown id. */
 static int64_t fixed_bytes(int codec, const void *layout) {
     switch (codec) {
     case CIERA_CODEC_EXPONENT_REUSE:
         return ((const ciera_er_layout *)layout)->off_exps;
     case CIERA_CODEC_DELTA:
         return ((const ciera_delta_layout *)layout)->off_data;
-    default: {
+    case CIERA_CODEC_DELTA_ANS: {
         const ciera_dans_layout *l = layout; /* no tables: the counts section follows the map */
         return (l->off_tables + 2 * l->n_streams + 15) / 16 * 16;
     }
+    default:
+        return CIERA_E_CODEC;
     }
 }
 
@@ -33,8 +36,10 @@ static int decode_by_id(int codec, const void *layout, const uint8_t *payload, i
         return ciera_er_decode(layout, payload, length, target, threads);
     case CIERA_CODEC_DELTA:
         return ciera_delta_decode(layout, payload, length, target, threads);
-    default:
+    case CIERA_CODEC_DELTA_ANS:
         return ciera_dans_decode(layout, payload, length, target, threads);
+    default:
+        return CIERA_E_CODEC;
     }
 }
 
@@ -43,7 +48,7 @@ int ciera_decode_many(int codec, const void *layout, const uint8_t *payloads, in
                       const int64_t *rows, const int64_t *offsets, int64_t k, void *targets, int64_t world,
                       int64_t row_bytes, int threads, int64_t *bad) {
     *bad = -1;
-    if (!known_codec(codec)) return CIERA_E_ARGS;
+    if (!known_codec(codec)) return CIERA_E_CODEC;
     int64_t fixed = fixed_bytes(codec, layout);
     for (int64_t i = 0; i < k; i++) {
         *bad = i;
@@ -65,10 +70,22 @@ int ciera_decode_many(int codec, const void *layout, const uint8_t *payloads, in
 
 int64_t ciera_encode(int codec, const void *layout, const void *shard, void *state, uint8_t *out, int64_t capacity,
                      int threads) {
-    if (capacity < 32 || !known_codec(codec)) return CIERA_E_ARGS;
-    int64_t needed = codec == CIERA_CODEC_EXPONENT_REUSE ? ciera_er_encode(layout, shard, (uint8_t *)state, out, capacity, threads)
-                     : codec == CIERA_CODEC_DELTA   ? ciera_delta_encode(layout, shard, state, out, capacity, threads)
-                                                    : ciera_dans_encode(layout, shard, state, out, capacity, threads);
+    if (!known_codec(codec)) return CIERA_E_CODEC;
+    if (capacity < 32) return CIERA_E_ARGS;
+    int64_t needed;
+    switch (codec) {
+    case CIERA_CODEC_EXPONENT_REUSE:
+        needed = ciera_er_encode(layout, shard, (uint8_t *)state, out, capacity, threads);
+        break;
+    case CIERA_CODEC_DELTA:
+        needed = ciera_delta_encode(layout, shard, state, out, capacity, threads);
+        break;
+    case CIERA_CODEC_DELTA_ANS:
+        needed = ciera_dans_encode(layout, shard, state, out, capacity, threads);
+        break;
+    default:
+        return CIERA_E_CODEC;
+    }
     if (needed < 0) return needed;
     int64_t h[4] = {(int64_t)((CIERA_MAGIC << 8) | codec), needed > capacity ? CIERA_FLAG_OVERFLOW : 0, needed,
                     capacity};
@@ -77,7 +94,8 @@ int64_t ciera_encode(int codec, const void *layout, const void *shard, void *sta
 }
 
 int ciera_decode(int codec, const void *layout, const uint8_t *payload, int64_t length, void *target, int threads) {
-    if (length < 32 || !known_codec(codec)) return CIERA_E_HEADER;
+    if (!known_codec(codec)) return CIERA_E_CODEC;
+    if (length < 32) return CIERA_E_HEADER;
     int64_t h[4];
     memcpy(h, payload, sizeof h);
     if (h[0] != ((CIERA_MAGIC << 8) | codec) || (h[1] & CIERA_FLAG_OVERFLOW) || h[2] > length) return CIERA_E_HEADER;
