@@ -12,11 +12,12 @@ PyTorch FSDP2 ``ciera.fsdp2.enable(model, optimizer=...)``.
 
 from .codecs import Codec, available_codecs, make_codec
 from .config import CieraConfig
+from .errors import StaleReplayError
 from .gather import CieraAllGather, CieraVerifyError, GatherHandle, verify_replicas
 from .stats import GatherStats
 from .zero3 import Zero3Gather
 
 __all__ = [
-    "CieraAllGather", "CieraConfig", "CieraVerifyError", "Codec", "GatherHandle", "GatherStats",
+    "CieraAllGather", "CieraConfig", "CieraVerifyError", "Codec", "GatherHandle", "GatherStats", "StaleReplayError",
     "Zero3Gather", "available_codecs", "make_codec", "verify_replicas",
 ]

@@ -1,10 +1,13 @@
 """The size agreement: once per step and process group, every rank learns every payload size.
 
 After the shards are encoded (right after the optimizer step), ONE small all-gather over the group
-carries, for each bucket prepared together, each rank's :class:`Proposal` (a flag and a payload
-size): ``[n_buckets, 2]`` int64 per rank (16 bytes a bucket). The host reads that table once; this is
-the only host read of a compressed gather. From the same table every rank derives the same
-:class:`Plan` for each bucket with the pure :func:`plan_from_table`:
+carries, for each bucket prepared together, each rank's :class:`Proposal` (a flag, a payload size and
+the count of values found changed in gathers that reused a plan without an agreement):
+``[n_buckets, 3]`` int64 per rank (24 bytes a bucket). The host reads that table once; this is the
+only host read of a compressed gather. A non-zero third word on any rank raises
+:class:`ciera.errors.StaleReplayError` on every rank (those gathers delivered stale values: see
+:meth:`ciera.CieraAllGather.replay`). From the same table every rank derives the same :class:`Plan`
+for each bucket with the pure :func:`plan_from_table`:
 
 * any rank found a corrupt payload in an earlier gather (``FLAG_CORRUPT``): an error on every rank
   (the values it trained on were not the ones sent; only a checkpoint restores bit-exactness);
@@ -33,6 +36,7 @@ from typing import Sequence
 import torch
 
 from .codecs.base import align_up
+from .codecs.registry import WIRE_WORDS
 from .comm import all_gather_into
 
 UNEVEN_MIN_SAVING = 0.015
@@ -40,14 +44,14 @@ UNEVEN_MIN_SAVING = 0.015
 the equal-size all-gather (one collective, the backend's tuned path) is as good; at or above it the
 wire stays within 1.5% of the sum of the payloads."""
 
-FLAG_RAW = 0
+FLAG_RAW = WIRE_WORDS["raw"]  # 0: the proposal words are ciera.codecs.registry.WIRE_WORDS
 """Proposal word: this rank sends raw (no payload encoded)."""
-FLAG_FAILED = -1
+FLAG_FAILED = WIRE_WORDS["failed"]  # -1
 """Proposal word: this rank failed locally (encode or an earlier decode); its caches are undefined."""
-FLAG_REPLAY = -2
+FLAG_REPLAY = WIRE_WORDS["replay"]  # -2
 """Proposal word: this rank's shard is unchanged since its last gather (no encode); the size word
 counts the values that changed after all (0 when the caller's claim holds)."""
-FLAG_CORRUPT = -3
+FLAG_CORRUPT = WIRE_WORDS["corrupt"]  # -3
 """Proposal word: a device decode on this rank found a corrupt payload in an earlier gather (reported
 without a host sync, so found only now): its buffer held wrong values for at least one step."""
 
@@ -61,6 +65,9 @@ class Proposal:
     needed: torch.Tensor
     """0-d int64 device tensor: the payload's size in bytes (``FLAG_REPLAY``: the count of values
     that changed since the last gather). Not read on the host before the agreement."""
+    stale: torch.Tensor | None = None
+    """0-d int64 device tensor: values found changed, since the last agreement, in gathers that
+    repeated a plan without one (:meth:`ciera.CieraAllGather.replay`; expected 0); ``None``: 0."""
 
 
 @dataclass(frozen=True)
@@ -140,13 +147,21 @@ def ring_bytes_per_rank(aligned: Sequence[int], *, per_rank_sizes: bool = True) 
     return (sum(aligned) - min(aligned)) / (len(aligned) - 1)
 
 
-def exchange(proposals: Sequence[Proposal], *, group, world: int, device) -> list[list[tuple[int, int]]]:
+def exchange(proposals: Sequence[Proposal], *, group, world: int, device) -> list[list[tuple[int, int, int]]]:
     """The one collective: every rank's proposals for the same buckets, in the same order. Returns
-    ``table[bucket][rank] = (flag, needed)``; the host reads it here, once."""
-    mine = torch.empty(len(proposals), 2, dtype=torch.int64, device=device)
+    ``table[bucket][rank] = (flag, needed, stale)``; the host reads it here, once."""
+    mine = torch.zeros(len(proposals), 3, dtype=torch.int64, device=device)
     mine[:, 0] = torch.tensor([p.flag for p in proposals], dtype=torch.int64)
     mine[:, 1] = torch.stack([p.needed for p in proposals])
+    for i, p in enumerate(proposals):
+        if p.stale is not None:
+            mine[i, 2] = p.stale
     everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
     all_gather_into(everyone, mine.view(-1), group=group)
-    table = everyone.view(world, len(proposals), 2).cpu().tolist()  # the one host read of the step
+    table = everyone.view(world, len(proposals), 3).cpu().tolist()  # the one host read of the step
     return [[tuple(table[r][i]) for r in range(world)] for i in range(len(proposals))]
+
+
+def stale_ranks(column: Sequence[tuple[int, int, int]]) -> tuple[int, ...]:
+    """Ranks whose third word (values changed under a plan reused without agreement) is not 0."""
+    return tuple(r for r, word in enumerate(column) if word[2])

@@ -14,9 +14,16 @@
     print(ciera_gathers.stats())                                       # bytes saved
 
 Every FSDP unit of ``model`` gets its own :class:`ciera.zero3.Zero3Gather` through FSDP2's documented
-hook ``FSDPModule.set_custom_all_gather``. With ``optimizer`` given, each unit's shard is encoded
-once per optimizer step and the step's later gathers (backward, further micro-batches) replay; without
-it, every gather encodes. Training is bit-identical to FSDP2's own gather.
+hook ``FSDPModule.set_custom_all_gather``. With ``optimizer`` given, right after each optimizer step
+every unit's shard is encoded and ONE agreement covers all units (:class:`ciera.zero3.Zero3Units`):
+the step's gathers, forward and backward, every micro-batch, then launch with no host read and no
+other collective (the later ones replay). Without it, every gather encodes and agrees. Training is
+bit-identical to FSDP2's own gather.
+
+To encode before FSDP2 hands a buffer, a unit's shard is assembled as FSDP2's copy-in will assemble
+it (its parameters' all-gather inputs, concatenated: FSDP2's own ``_get_param_all_gather_inputs``);
+each gather checks on the device that its input equals that copy (a difference raises at the next
+step's agreement, on every rank).
 
 Needs torch with ``FSDPModule.set_custom_all_gather`` (2.7 or later).
 """
@@ -32,7 +39,7 @@ import torch.distributed as dist
 from .config import CieraConfig
 from .selection import Measurements
 from .stats import GatherStats
-from .zero3 import Zero3Gather
+from .zero3 import Zero3Gather, Zero3Units
 
 try:
     from torch.distributed.fsdp import FSDPModule
@@ -83,13 +90,15 @@ class Fsdp2Gathers:
 
     gathers: dict[str, Zero3Gather]
     """Unit name (``""`` for the root) -> its gather."""
+    units: Zero3Units = field(default_factory=Zero3Units)
+    """The units prepared together after each step (one agreement per step)."""
     _hooks: list = field(default_factory=list)
 
     def step(self) -> None:
         """Every unit's shard changed (the optimizer hook calls this; call it yourself after any
-        other rank-wide update of the parameters when no optimizer was given to :func:`enable`)."""
-        for g in self.gathers.values():
-            g.step()
+        other rank-wide update of the parameters when no optimizer was given to :func:`enable`):
+        every unit that gathered before is encoded now, with one agreement for all of them."""
+        self.units.step()
 
     def raise_pending_errors(self, *, wait: bool = True) -> None:
         """See :meth:`ciera.CieraAllGather.raise_pending_errors`, for every unit."""
@@ -137,16 +146,37 @@ def enable(model: torch.nn.Module, *, config: CieraConfig | None = None, optimiz
                            "(torch.distributed.fsdp.FSDPModule.set_custom_all_gather, torch >= 2.7)")
     config = CieraConfig() if config is None else config
     measurements = Measurements()  # one link / codec measurement for every unit of the group
+    units = Zero3Units()
     gathers: dict[str, Zero3Gather] = {}
     for name, module in model.named_modules():
         if isinstance(module, FSDPModule):
             gather = Zero3Gather(group=group, config=config, name=f"fsdp2:{name or 'root'}",
-                                 stepped=optimizer is not None, measurements=measurements)
+                                 stepped=optimizer is not None, measurements=measurements,
+                                 source=_copy_in_source(module), units=units)
             module.set_custom_all_gather(CieraFsdpAllGather(gather))
             gathers[name] = gather
     if not gathers:
         raise ValueError("ciera.fsdp2.enable: no FSDP2 unit in the model: call fully_shard() on it first")
-    out = Fsdp2Gathers(gathers)
+    out = Fsdp2Gathers(gathers, units)
     if optimizer is not None:
         out._hooks.append(optimizer.register_step_post_hook(lambda *_: out.step()))
     return out
+
+
+def _copy_in_source(module):
+    """``source(out)``: ``out`` becomes this rank's all-gather input of ``module`` as FSDP2's next
+    copy-in will build it (its parameters' all-gather inputs, mixed-precision casts included,
+    concatenated in order). ``None`` where this torch's FSDP2 does not expose them."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_param_all_gather_inputs
+    except ImportError:  # pragma: no cover - a torch whose FSDP2 internals moved: every gather agrees
+        return None
+
+    def source(out: torch.Tensor) -> None:
+        groups = module._get_fsdp_state()._fsdp_param_groups
+        if len(groups) != 1:
+            raise RuntimeError(f"ciera.fsdp2: a unit with {len(groups)} FSDP parameter groups (one expected)")
+        inputs = [t.view(-1) for ts in _get_param_all_gather_inputs(groups[0].fsdp_params) for t in ts]
+        torch.cat(inputs, out=out)
+
+    return source

@@ -48,7 +48,9 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .agreement import FLAG_CORRUPT, FLAG_FAILED, FLAG_RAW, FLAG_REPLAY, RAW_PLAN, Plan, Proposal, exchange, plan_from_table
+from .agreement import (FLAG_CORRUPT, FLAG_FAILED, FLAG_RAW, FLAG_REPLAY, RAW_PLAN, REPLAY_PLAN, Plan, Proposal,
+                        exchange, plan_from_table, stale_ranks)
+from .errors import CieraVerifyError, StaleReplayError
 from .codecs import HEADER_BYTES, Codec, PayloadHeader, make_codec
 from .codecs.base import align_up
 from .codecs.formats import FORMATS, as_bits, float_format
@@ -61,10 +63,6 @@ logger = logging.getLogger(__name__)
 
 _DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(FORMATS)}
 _CONCRETE_CODECS = ("exponent_reuse", "delta", "delta_ans")
-
-
-class CieraVerifyError(RuntimeError):
-    """The gathered buffers of two ranks disagree: a cache was stale or a codec is broken."""
 
 
 class Phase(enum.Enum):
@@ -160,6 +158,10 @@ class CieraAllGather:
                 f"{self.world} ({buffer.numel()} % {self.world} = {buffer.numel() % self.world})"
             )
         self.shard_numel = buffer.numel() // self.world
+        self._dtype, self._numel = buffer.dtype, buffer.numel()
+        self._staged = False  # self._shard is a stage()d tensor, not the buffer's own slot
+        empty = buffer.new_empty(0)
+        self._no_buffer = (empty, empty.view(self.world, 0))  # what release() leaves in place of the buffer
         self._raw_bytes = buffer.numel() * buffer.element_size()
         self._shards = buffer.view(self.world, self.shard_numel)
         self._shard = self._shards[self.rank]
@@ -194,6 +196,9 @@ class CieraAllGather:
         self._offsets = torch.empty_like(self._rows)
         self._offsets_host = torch.empty(self._rows.numel(), dtype=torch.int64)  # per-rank offsets, staged
         self._needed = torch.zeros((), dtype=torch.int64, device=dev)  # this rank's payload size
+        # Values found changed by replay() since the last agreement (device; carried by the next one)
+        self._stale = torch.zeros((), dtype=torch.int64, device=dev)
+        self._stale_unreported = False  # replay() ran since the last agreement
         decides = config.selection == "auto" or len(self._codecs) > 1
         self.selector = None
         if self._codecs and decides:
@@ -224,6 +229,31 @@ class CieraAllGather:
         is not 0 is treated as failed: the gather is raw on every rank, never stale."""
         if self._phase is Phase.IDLE:
             _prepare([self], group=self.group, replays=[replay])
+
+    def replay(self, *, changed: torch.Tensor) -> None:
+        """Steps 1-2 with no agreement: the last fresh plan again (``IDLE -> AGREED``), on the
+        caller's word that this rank's shard is unchanged since that plan's gather (ZeRO-3's later
+        gathers of a step). Every rank of the group must call it for the same gather (a rank-identical
+        decision: nothing is exchanged). ``changed``, a 0-d device tensor counting the values that
+        differ after all (expected 0), is added to a device counter, not read here; the next
+        agreement carries it and any non-zero count raises :class:`~ciera.errors.StaleReplayError`
+        on every rank (those gathers delivered the earlier values). After ``invalidate()`` there is
+        no plan to repeat: the caller prepares a fresh gather instead."""
+        if self._last_plan is None:
+            raise RuntimeError(f"{self.name}: replay() with no fresh plan to repeat (after invalidate() or "
+                               f"before the first gather); prepare a fresh gather")
+        self._move(Phase.PROPOSED, "replay()")
+        self.add_changed(changed)
+        self._proposed = ("replay", None)
+        self.apply(REPLAY_PLAN)
+
+    def add_changed(self, changed: torch.Tensor) -> None:
+        """Count ``changed`` (a 0-d device tensor, not read here) as values of this rank's shard that
+        differ from what a gather without its own agreement sent (a :meth:`replay`, or a gather
+        prepared ahead from a :meth:`stage`d copy): the next agreement raises
+        :class:`~ciera.errors.StaleReplayError` on every rank when any rank's count is not 0."""
+        self._stale.add_(changed.reshape(()).to(torch.int64))
+        self._stale_unreported = True
 
     def propose(self, *, replay: torch.Tensor | None = None) -> Proposal:
         """Step 1: this rank's proposal. Encodes the shard (on CUDA on the side stream) unless it
@@ -353,20 +383,44 @@ class CieraAllGather:
         self._pending = GatherHandle(self, work, plan, launched)
         return self._pending
 
-    def rebind(self, buffer: torch.Tensor) -> None:
-        """Gather into ``buffer`` from now on (same dtype and size; only while idle). For callers
-        whose buffers do not persist between gathers (``persistent=False``): before each gather the
-        caller writes this rank's shard and, in the other shards, what the codec's decode reads of
-        their previous values (for ``exponent_reuse``: the exponents)."""
-        self._check_buffer(buffer, self.name)
-        if buffer.dtype != self.buffer.dtype or buffer.numel() != self.buffer.numel():
-            raise ValueError(f"{self.name}: rebind() needs {self.buffer.numel()} {self.buffer.dtype} values, "
-                             f"got {buffer.numel()} {buffer.dtype}")
+    def stage(self, shard: torch.Tensor) -> None:
+        """Encode and send ``shard`` (``shard_numel`` values of the buffer's dtype: what this rank's
+        slot will hold at the next gather) from the next :meth:`prepare` on, before any buffer is
+        handed in: a ZeRO-3 unit prepared right after the optimizer step. Only while idle; the next
+        :meth:`rebind` without ``shard`` goes back to the buffer's own slot."""
+        if shard.dtype != self._dtype or shard.numel() != self.shard_numel:
+            raise ValueError(f"{self.name}: stage() needs {self.shard_numel} {self._dtype} values, "
+                             f"got {shard.numel()} {shard.dtype}")
         if self._phase is not Phase.IDLE:
+            raise RuntimeError(f"{self.name}: stage() called while a gather is {self._phase.value}")
+        self._shard, self._staged = shard.view(-1), True
+
+    def release(self) -> None:
+        """Drop the reference to the buffer (only while idle): a caller whose engine frees the gathered
+        buffer after use (``persistent=False``) lets it go; nothing reads it before the next
+        :meth:`rebind`. A :meth:`stage`d shard stays."""
+        if self._phase is not Phase.IDLE:
+            raise RuntimeError(f"{self.name}: release() called while a gather is {self._phase.value}")
+        self.buffer, self._shards = self._no_buffer  # (made once: no allocation in a gather's wait())
+        if not self._staged:
+            self._shard = self._shards[self.rank]
+
+    def rebind(self, buffer: torch.Tensor) -> None:
+        """Gather into ``buffer`` from now on (same dtype and size; while idle, or agreed and not yet
+        launched: the plan does not depend on the buffer). For callers whose buffers do not persist
+        between gathers (``persistent=False``): before each gather the caller writes this rank's shard
+        and, in the other shards, what the codec's decode reads of their previous values (for
+        ``exponent_reuse``: the exponents). The shard sent is the buffer's own slot again (a
+        :meth:`stage`d one is dropped: its values are the slot's)."""
+        self._check_buffer(buffer, self.name)
+        if buffer.dtype != self._dtype or buffer.numel() != self._numel:
+            raise ValueError(f"{self.name}: rebind() needs {self._numel} {self._dtype} values, "
+                             f"got {buffer.numel()} {buffer.dtype}")
+        if self._phase not in (Phase.IDLE, Phase.AGREED):
             raise RuntimeError(f"{self.name}: rebind() called while a gather is {self._phase.value}")
         self.buffer = buffer
         self._shards = buffer.view(self.world, self.shard_numel)
-        self._shard = self._shards[self.rank]
+        self._shard, self._staged = self._shards[self.rank], False
 
     def invalidate(self, *, keep_phase: bool = False) -> None:
         """Forget all cached state: the next ``config.warmup_gathers`` gathers are sent raw.
@@ -534,6 +588,10 @@ class CieraAllGather:
         not the step; each agreement reports the verdicts already landed, on every rank)."""
         for codec in self._codecs.values():
             codec.raise_pending_errors(wait=wait)
+        if wait and self._stale_unreported and int(self._stale):  # (a host read: not on the step's path)
+            raise StaleReplayError(f"{self.name}: rank {self.rank}: {int(self._stale)} value(s) of its shard changed "
+                                   f"between gathers that reused one plan (a write to the parameters outside the "
+                                   f"optimizer step without invalidate()); those gathers delivered the earlier values")
 
     def _pending_decode_error(self) -> str | None:
         """The message of a corrupt payload that a device decode found and has not reported yet
@@ -623,7 +681,8 @@ def _prepare(gathers: list[CieraAllGather], *, group, replays) -> list[Plan]:
         raise RuntimeError(f"prepare_many: {again} are already prepared or in flight; start() and wait() them first")
     replays = replays or [None] * len(gathers)
     fresh = all(r is None for r in replays)
-    if fresh and all(g.quiet_raw() for g in gathers):  # selection's raw, nothing due: a plain gather
+    unreported = any(g._stale_unreported for g in gathers)  # replays' checks ride on the next table
+    if fresh and not unreported and all(g.quiet_raw() for g in gathers):  # selection's raw, nothing due: a plain gather
         for g in gathers:  # follows and needs no table (a local failure stays pending, reported later)
             g._started += 1
             g._move(Phase.PROPOSED, "prepare()")
@@ -637,7 +696,7 @@ def _prepare(gathers: list[CieraAllGather], *, group, replays) -> list[Plan]:
         return [RAW_PLAN] * len(gathers)
     chose_raw = [g.raw_by_selection() for g in gathers]
     proposals = [g.propose(replay=r) for g, r in zip(gathers, replays)]  # encodes queue on the side stream
-    if fresh and all(chose_raw) and all(g.raw_by_selection() for g in gathers):
+    if fresh and not unreported and all(chose_raw) and all(g.raw_by_selection() for g in gathers):
         # Selection chose raw for every bucket, before and after this gather's decision point. That
         # choice is agreed across ranks (the selector agrees its inputs), so every rank takes this
         # branch together: the plain gather needs no size table. (A rank's local failure, FLAG_FAILED,
@@ -650,10 +709,25 @@ def _prepare(gathers: list[CieraAllGather], *, group, replays) -> list[Plan]:
         event = g._proposed[1] if g._proposed else None
         if event is not None:
             torch.cuda.current_stream(device).wait_event(event)
+    proposals = [dataclasses.replace(p, stale=g._stale) if g._stale_unreported else p
+                 for g, p in zip(gathers, proposals)]
     table = exchange(proposals, group=group, world=world, device=device)
+    for g in gathers:
+        if g._stale_unreported:
+            g._stale.zero_()  # in stream order after the table's copy of it
+            g._stale_unreported = False
+    stale = [(g.name, ranks) for g, column in zip(gathers, table) if (ranks := stale_ranks(column))]
+    if stale:
+        for g in gathers:  # nothing launched: every gather back to idle, caches dropped, then every rank raises
+            g.invalidate()
+        raise StaleReplayError(
+            "; ".join(f"{name}: rank(s) {list(ranks)}" for name, ranks in stale)
+            + ": a shard changed between gathers of one optimizer step that reused its plan (a write to the "
+              "parameters outside the optimizer step without invalidate()); those gathers delivered the earlier "
+              "values, so training cannot go on bit-exact: resume from the last checkpoint")
     plans = []
     for g, column in zip(gathers, table):
-        plan = plan_from_table(column, codec_names={c.codec_id: n for n, c in g._codecs.items()},
+        plan = plan_from_table([word[:2] for word in column], codec_names={c.codec_id: n for n, c in g._codecs.items()},
                                shard_bytes=g._raw_bucket_bytes() // world, name=g.name,
                                per_rank_sizes=g.config.per_rank_sizes)
         g.apply(plan)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,7 @@ from .codecs.formats import FORMATS, as_bits, float_format
 from .comm import all_gather_into
 from .config import CieraConfig
 from .cost_model import StepShape
-from .gather import CieraAllGather
+from .gather import CieraAllGather, Phase
 from .selection import Measurements
 from .stats import GatherStats
 
@@ -56,6 +57,12 @@ class Zero3Gather:
         stepped: ``True`` when the caller calls :meth:`step` after every optimizer step (on every
             rank): later gathers of a step replay. ``False``: every gather encodes.
         measurements: shared link and codec measurements of the group (see :class:`CieraAllGather`).
+        source: ``source(out)`` writes this rank's current shard into ``out`` (the values the next
+            gather's input will hold: for FSDP2 its copy-in, for Megatron-FSDP the persistent shard).
+            With it, a :class:`Zero3Units` prepares the unit right after the optimizer step, together
+            with every other unit of its group (one agreement); without it the step's first gather
+            prepares (one agreement per unit and step).
+        units: the :class:`Zero3Units` this unit belongs to (it registers at its first gather).
 
     Call :meth:`gather` with the engine's output buffer (``world x n`` values, from
     :meth:`allocate`) and this rank's shard, its own slot of the output or a separate tensor. The
@@ -63,20 +70,21 @@ class Zero3Gather:
     """
 
     def __init__(self, *, group=None, config: CieraConfig | None = None, name: str = "zero3",
-                 stepped: bool = True, measurements: Measurements | None = None):
+                 stepped: bool = True, measurements: Measurements | None = None,
+                 source: Callable[[torch.Tensor], None] | None = None, units: "Zero3Units | None" = None):
         self.config = CieraConfig() if config is None else config
         if self.config.cache == "exponents" and self.config.codec in ("delta", "delta_ans"):
             raise ValueError(f"{name}: codec={self.config.codec!r} adds to the previous values, so it needs cache='values'; "
                              f"cache='exponents' keeps one byte per value, which only exponent_reuse decodes against")
         self.group, self.name, self.stepped = group, name, stepped
-        self._measurements = measurements
+        self._measurements, self._source, self._units = measurements, source, units
         self._inner: CieraAllGather | None = None
         self._handle: Zero3Handle | None = None
         self._values: torch.Tensor | None = None  # cache='values': the persistent gathered buffer
         self._exps: torch.Tensor | None = None  # cache='exponents': [world, n] uint8
-        self._sent: torch.Tensor | None = None  # this rank's shard as last sent fresh
+        self._sent: torch.Tensor | None = None  # this rank's shard as last sent fresh (or staged to be)
         self._exps_valid = False  # the exponent cache holds the last gathered buffer's exponents
-        self._fresh = True  # the next gather encodes
+        self._fresh = True  # the next gather encodes (or was prepared ahead: the inner is AGREED)
         self._plain = GatherStats(codec="raw")  # gathers that never reach the inner gather
         self.gathers_this_step = 0
         """Gathers since the last :meth:`step` (the count a step needs: 1, or 2 x micro-batches)."""
@@ -97,9 +105,16 @@ class Zero3Gather:
         self.start(output=output, input=input, group=group).wait()
 
     def start(self, *, output: torch.Tensor, input: torch.Tensor, group=None) -> "Zero3Handle":
-        """Propose (encode when fresh), agree and launch the gather into ``output``; the returned
-        handle's ``wait()`` completes it (decode, caches). Between the two the caller may compute:
-        the collective runs meanwhile. One gather of this unit at a time."""
+        """Launch the gather into ``output``; the returned handle's ``wait()`` completes it (decode,
+        caches). Between the two the caller may compute: the collective runs meanwhile. One gather
+        of this unit at a time.
+
+        Which agreement it needs (every choice below is rank-identical): none when the unit was
+        prepared with its group after the optimizer step (:meth:`Zero3Units.step`) or when it
+        replays the step's plan; one of its own only for a fresh gather not prepared ahead (the
+        first gathers, after :meth:`invalidate`, units without a ``source``). No host read either
+        way except in that agreement. What this rank sends without an agreement is checked on the
+        device against what it gathers now; a difference raises at the next agreement."""
         if self._handle is not None and not self._handle.done:
             raise RuntimeError(f"{self.name}: start() called while the previous gather is not waited on")
         group = self.group if group is None else group
@@ -123,27 +138,30 @@ class Zero3Gather:
         own = buffer.view(world, n)[rank]
         if own.data_ptr() != input.data_ptr():
             own.copy_(input)
-        if self._inner is None:
-            self._build(buffer)
-            fresh = True
+        inner = self._inner
+        if inner is None:
+            inner = self._build(buffer)
         else:
-            fresh = self._fresh or not self.stepped
-            if self.config.cache == "exponents":
-                self._inner.rebind(buffer)
-                last = self._inner.last_plan
-                if self._inner.may_compress() if fresh else (last is not None and not last.raw):
-                    if not self._exps_valid:  # cannot happen (see _finish); raw is always exact
-                        self._inner.invalidate()
-                    else:
-                        self._seed(buffer)
-        replay = None if fresh else _count_changed(own, self._sent)
-        self._inner.prepare(replay=replay)
-        replayed = self._inner.plan.replay
+            inner.rebind(buffer)
+        if inner.phase is Phase.AGREED:  # prepared ahead from the staged copy: the slot must equal it
+            inner.add_changed(_count_changed(own, self._sent))
+            fresh = True
+        elif self._fresh or not self.stepped or inner.last_plan is None:
+            inner.prepare()  # this gather's own agreement
+            fresh = True
+        else:  # a later gather of the step: the step's plan again, no agreement
+            inner.replay(changed=_count_changed(own, self._sent))
+            fresh = False
+        plan = inner.plan
+        if self.config.cache == "exponents" and not plan.raw:
+            if not self._exps_valid:  # _finish keeps the cache whenever the next plan may compress
+                raise RuntimeError(f"{self.name}: a compressed plan without the exponent cache (a bug)")
+            self._seed(buffer)
         if fresh:
             self.fresh_gathers += 1
             self._fresh = False
-        self._handle = Zero3Handle(work=self._inner.start(), finish=lambda: self._finish(
-            buffer=buffer, output=output, own=own, replayed=replayed))
+        self._handle = Zero3Handle(work=inner.start(), finish=lambda: self._finish(
+            buffer=buffer, output=output, own=own, replayed=plan.replay))
         return self._handle
 
     def _compresses(self) -> bool:
@@ -153,7 +171,7 @@ class Zero3Gather:
 
     def _finish(self, *, buffer: torch.Tensor, output: torch.Tensor, own: torch.Tensor, replayed: bool) -> None:
         """After the inner gather's ``wait()``: the caches follow what receivers now hold."""
-        if not replayed:  # receivers now hold this shard exactly (a failed replay was raw)
+        if not replayed:  # receivers now hold this shard exactly
             self._sent.copy_(own)
             if self.config.cache == "exponents":
                 # The cache is read only by compressed gathers: kept while the next one may be.
@@ -162,16 +180,37 @@ class Zero3Gather:
                     store_exponents(buffer.view(self._exps.shape), self._exps)
         if buffer is not output:
             output.copy_(buffer)
+        if self.config.cache == "exponents":
+            self._inner.release()  # the engine frees the gathered buffer: keep no reference to it
 
     def step(self) -> None:
         """The shard changed (call after every optimizer step, on every rank): the next gather
-        encodes. The step's gather count tells the cost model how often a fresh payload serves."""
+        encodes. The step's gather count tells the cost model how often a fresh payload serves.
+        (:meth:`Zero3Units.step` calls this for every unit, then prepares them together.)"""
         if self._inner is not None and self._inner.selector is not None and self.gathers_this_step:
             exps = self.config.cache == "exponents"
             self._inner.selector.shape = StepShape(gathers=self.gathers_this_step, replays_send=exps,
                                                    cache_passes=2 if exps else 0)
         self._fresh = True
         self.gathers_this_step = 0
+
+    def prepares_ahead(self) -> bool:
+        """Whether :meth:`Zero3Units.step` prepares this unit's next gather (it has a ``source``,
+        has gathered before, and is stepped)."""
+        return self._source is not None and self._inner is not None and self.stepped
+
+    def stage(self) -> CieraAllGather:
+        """Before :meth:`Zero3Units.step`'s agreement: this rank's current shard, from ``source``,
+        becomes what the inner gather encodes. Returns the inner gather to prepare. A plan prepared
+        ahead and never gathered (the engine skipped the unit for a whole step: rank-identical) is
+        dropped, its caches with it: the unit's next gather is raw."""
+        inner = self._inner
+        if inner.phase is Phase.AGREED:
+            inner.invalidate()
+            self._exps_valid = False
+        self._source(self._sent)
+        inner.stage(self._sent)
+        return inner
 
     def raise_pending_errors(self, *, wait: bool = True) -> None:
         """See :meth:`ciera.CieraAllGather.raise_pending_errors`."""
@@ -213,7 +252,7 @@ class Zero3Gather:
                              f"{self._values.dtype}: one Zero3Gather serves one parameter group")
         return self._values
 
-    def _build(self, buffer: torch.Tensor) -> None:
+    def _build(self, buffer: torch.Tensor) -> CieraAllGather:
         config = self.config
         persistent = config.cache == "values"
         if not persistent and config.codec == "auto":  # the exponent cache decodes exponent_reuse only
@@ -224,10 +263,13 @@ class Zero3Gather:
         self._sent = torch.empty(n, dtype=buffer.dtype, device=buffer.device)
         if not persistent:
             self._exps = torch.empty(world, n, dtype=torch.uint8, device=buffer.device)
+        if self._units is not None:
+            self._units.register(self)
         if self._inner.rank == 0:
-            logger.info("%s: ZeRO-3 gather of %d x %d %s values, cache=%s: %.1f MiB per rank kept between gathers",
-                        self.name, world, n, buffer.dtype, config.cache,
-                        cache_bytes_per_rank(numel=world * n, world=world, dtype=buffer.dtype, cache=config.cache) / 2**20)
+            logger.debug("%s: ZeRO-3 gather of %d x %d %s values, cache=%s: %.1f MiB per rank kept between gathers",
+                         self.name, world, n, buffer.dtype, config.cache,
+                         cache_bytes_per_rank(numel=world * n, world=world, dtype=buffer.dtype, cache=config.cache) / 2**20)
+        return self._inner
 
     def _seed(self, buffer: torch.Tensor) -> None:
         """The other ranks' slots of a fresh buffer get their cached exponents: all
@@ -246,6 +288,37 @@ class Zero3Gather:
         b = output.numel() * output.element_size()
         s.raw_bytes += b
         s.wire_bytes += b
+
+
+class Zero3Units:
+    """Every ZeRO-3 unit of one model: after each optimizer step, one encode per unit and ONE
+    agreement per process group for all of them (:meth:`step`), so that every gather of the step,
+    forward and backward, every micro-batch, launches its data collective with no host read and no
+    other collective. Units register at their first gather (a collective, in the engine's gather
+    order: the same on every rank); those with a ``source`` are prepared ahead."""
+
+    def __init__(self):
+        self.units: list[Zero3Gather] = []
+        """Registered units, in first-gather order."""
+        self.agreements = 0
+        """Agreements :meth:`step` ran (one per process group and step)."""
+
+    def register(self, unit: Zero3Gather) -> None:
+        """Called by a unit at its first gather."""
+        self.units.append(unit)
+
+    def step(self) -> None:
+        """Every unit's shard changed (call after every optimizer step, on every rank): each unit
+        that can is staged from its source and encoded, and each process group agrees once."""
+        for u in self.units:
+            u.step()
+        groups: dict[int, tuple[object, list[CieraAllGather]]] = {}
+        for u in self.units:
+            if u.prepares_ahead():
+                groups.setdefault(id(u.group), (u.group, []))[1].append(u.stage())
+        for group, inners in groups.values():
+            CieraAllGather.prepare_many(inners, group=group)
+            self.agreements += 1
 
 
 class Zero3Handle:

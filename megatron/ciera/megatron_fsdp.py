@@ -12,9 +12,11 @@ With ``--ciera-allgather`` :func:`install` makes every bucket's gather CIERA's (
 buffer persists (``optim``, ``optim_grads``; the root unit's bucket too) is a
 :class:`ciera.CieraAllGather` over that buffer, gathered (and encoded) once per optimizer step; a
 ZeRO-3 bucket (``optim_grads_params``), whose gathered storage is freed between gathers, is a
-:class:`ciera.zero3.Zero3Gather`: its shard is encoded once per optimizer step (the step is
-learned where the optimizer writes the shards) and the step's later gathers replay against the
-receiver cache (``--ciera-cache``).
+:class:`ciera.zero3.Zero3Gather`: right after each optimizer step (learned where the optimizer
+writes the shards) every ZeRO-3 bucket's shard is encoded and ONE agreement per process group covers
+them all (:class:`ciera.zero3.Zero3Units`); the step's gathers, forward and backward, then launch
+with no host read and no other collective, the later ones replaying against the receiver cache
+(``--ciera-cache``).
 
 The functions after :func:`wrap` are the training loop's CIERA binding, with the names and
 arguments of :mod:`megatron.ciera.bucket_group`'s.
@@ -123,11 +125,16 @@ class _Gathers:
     def __init__(self, *, config, prefix: str):
         self.config, self.prefix = config, prefix
         self.gathers: dict[int, object] = {}  # bucket id -> CieraAllGather | Zero3Gather
+        from ciera.zero3 import Zero3Units
+
+        self.units = Zero3Units()  # the ZeRO-3 buckets, prepared together after each step
         self.encodes: dict[int, int] = {}  # bucket id -> fresh (encoding) gathers of a persistent bucket
         self._measurements: dict = {}  # process group -> ciera.selection.Measurements
 
-    def __call__(self, *, bucket_id: int, output: torch.Tensor, input: torch.Tensor, group, persistent: bool):
-        """Start the bucket's gather of ``input`` into ``output``; returns the handle to ``wait()``."""
+    def __call__(self, *, bucket_id: int, output: torch.Tensor, input: torch.Tensor, group, persistent: bool,
+                 shard: Callable[[], torch.Tensor] | None = None):
+        """Start the bucket's gather of ``input`` into ``output``; returns the handle to ``wait()``.
+        ``shard()`` returns the bucket's current shard (what ``input`` will be at its next gather)."""
         import torch.distributed as dist
         from ciera import CieraAllGather
         from ciera.selection import Measurements
@@ -140,8 +147,10 @@ class _Gathers:
         gather = self.gathers.get(bucket_id)
         if not persistent:
             if gather is None:
+                source = None if shard is None else (lambda out: out.copy_(shard()))
                 gather = self.gathers[bucket_id] = Zero3Gather(group=group, config=self.config, name=name,
-                                                               measurements=measurements)
+                                                               measurements=measurements, source=source,
+                                                               units=self.units)
             return gather.start(output=output, input=input, group=group)
         if gather is None:
             gather = self.gathers[bucket_id] = CieraAllGather(output, group=group, config=self.config, name=name,
@@ -156,10 +165,9 @@ class _Gathers:
         return gather.start()
 
     def step(self) -> None:
-        """The optimizer wrote this rank's shards: every ZeRO-3 bucket's next gather encodes."""
-        for gather in self.gathers.values():
-            if hasattr(gather, "step"):
-                gather.step()
+        """The optimizer wrote this rank's shards: every ZeRO-3 bucket is encoded now, one agreement
+        per process group for all of them."""
+        self.units.step()
 
     def invalidate(self) -> None:
         for gather in self.gathers.values():

@@ -85,10 +85,11 @@ def check_upstream(*, digests: Mapping[str, str] | None = None) -> None:
 
 
 def attach(pipeline, gather: Callable) -> None:
-    """Make ``pipeline``'s bucket gathers ``gather(bucket_id=, output=, input=, group=, persistent=)``'s:
+    """Make ``pipeline``'s bucket gathers ``gather(bucket_id=, output=, input=, group=, persistent=, shard=)``'s:
     it starts a bit-exact ``all_gather_into_tensor`` and returns a handle whose ``wait()`` completes
     it (``persistent``: the bucket is the model-weight buffer itself, which keeps its values between
-    gathers). Runs the version gate first."""
+    gathers; ``shard()``: the bucket's shard as it is now, for encoding ahead of the gather). Runs the
+    version gate first."""
     check_upstream()
     _coalesce_state()
     if is_attached(pipeline):
@@ -159,7 +160,7 @@ def async_bucket_gather(self, bucket_id, bwd) -> None:
     @torch.no_grad()
     def start():
         return gather(bucket_id=bucket_id, output=bucket.data, input=wbuf.get_shard_from_local_buffer(),
-                      group=group, persistent=not wbuf.is_data_distributed)
+                      group=group, persistent=not wbuf.is_data_distributed, shard=wbuf.get_shard_from_local_buffer)
 
     handle = _start_outside_coalescing(group, start)
 
