@@ -23,7 +23,13 @@ What megatron-core leaves out, done here (:class:`AsyncSaves`):
   each rank's writer leaves a mark beside the ``.incomplete`` folder when its write returned, and
   nothing is published unless every rank's mark is there (:func:`mark_path`);
 * a persistent worker that died is noticed before the next save is handed to it and while a save
-  is awaited (megatron-core would wait for it forever): every rank raises, naming the ranks.
+  is awaited (megatron-core would wait for it forever): every rank raises, naming the ranks;
+* a save is published at the first iteration after its writes are done on every rank
+  (:meth:`AsyncSaves.finalize`: each iteration one small all-reduce of every rank's "my mark is
+  there" flag, as Megatron-LM's ``maybe_finalize_async_save(blocking=False)``), not once
+  megatron-core sees the writer processes gone (which trails the write by iterations); and before
+  the next save starts, at exit and at an exit signal (blocking). So after any crash the newest
+  checkpoint whose writes completed an iteration before is the published one.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megatron.ciera import failfast
 from megatron.ciera.checkpoint_publish import INCOMPLETE, iteration_dir, print0
 
 __all__ = ["WRITER_DONE", "check_args", "async_queue", "AsyncSaves", "mark_path", "save_kwargs"]
@@ -134,8 +141,10 @@ def _worker_loop(*loop_args):
     loop selects a CUDA device first)."""
     from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
 
-    from megatron.ciera import cpu_compat
+    from megatron.ciera import cpu_compat, exit_signal, failfast
 
+    failfast.name_process("ckpt-writer")  # the watchdog's name for it, should it be killed
+    exit_signal.ignore_in_worker()  # the rank's final save at its exit signal still has this writer
     with cpu_compat.enabled(not torch.cuda.is_available()):
         PersistentAsyncCaller.async_loop(*loop_args)
 
@@ -195,12 +204,25 @@ def _device():
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
-def _ranks_with(flag: bool) -> list[int]:
-    """Collective: the ranks where ``flag`` holds."""
-    flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=_device())
-    flags[dist.get_rank()] = int(flag)
-    dist.all_reduce(flags)
-    return [r for r, f in enumerate(flags.tolist()) if f]
+def _ranks_with(*flags: bool) -> list[list[int]] | list[int]:
+    """Collective, one all-reduce: for each of ``flags``, the ranks where it holds (one flag: its
+    list of ranks)."""
+    table = torch.zeros(len(flags), dist.get_world_size(), dtype=torch.int32, device=_device())
+    table[:, dist.get_rank()] = torch.tensor([int(f) for f in flags], dtype=torch.int32)
+    dist.all_reduce(table)
+    out = [[r for r, f in enumerate(row) if f] for row in table.tolist()]
+    return out[0] if len(flags) == 1 else out
+
+
+class _Pending:
+    """This rank's side of a scheduled save: its mark and its writer process."""
+
+    def __init__(self, *, iteration: int, mark: str, process, needed: int | None):
+        self.iteration, self.mark, self.process, self.needed = iteration, mark, process, needed
+
+    def settled(self) -> bool:
+        """The write returned (the mark is there) or the writer ended without it."""
+        return os.path.exists(self.mark) or (self.process is not None and not self.process.is_alive())
 
 
 class AsyncSaves:
@@ -212,6 +234,9 @@ class AsyncSaves:
         """megatron-core's queue."""
         self.persistent = persistent
         """Whether the writer is the persistent worker process."""
+        self.pending: list[_Pending] = []
+        """The scheduled saves not yet finalised, oldest first (at most one: a save waits for the
+        one before it)."""
 
     def worker(self):
         """The persistent worker process (``None`` before it started, or without one)."""
@@ -233,10 +258,12 @@ class AsyncSaves:
             raise RuntimeError(f"the persistent checkpoint worker of rank(s) {dead} is gone ({when}); the latest "
                                "published checkpoint is still the one before")
 
-    def schedule(self, request, *, root: str, iteration: int, publish: Callable[[], None]) -> None:
+    def schedule(self, request, *, root: str, iteration: int, publish: Callable[[], None],
+                 needed: int | None = None) -> None:
         """Collective: hand ``request`` (from ``dist_checkpointing.save(..., async_sharded_save=True)``
         into ``iter_N.incomplete``) to the writer; at its finalisation, once every rank's writer
         marked its write done, megatron-core's own finalisation, then ``publish()``."""
+        self.finalize(blocking=True)  # the previous save is published before this one starts
         self._check_worker(f"before the save of iteration {iteration}")
         partial = iteration_dir(root, iteration) + INCOMPLETE
         done = mark_path(partial, dist.get_rank())
@@ -251,18 +278,36 @@ class AsyncSaves:
         request = request._replace(finalize_fns=[lambda: _check_written(root=root, iteration=iteration, done=done),
                                                  *request.finalize_fns, publish])
         self.queue.schedule_async_request(request)
+        calls = getattr(self.queue, "async_calls", None)
+        caller = calls[-1].async_caller if calls else None
+        process = None if self.persistent else getattr(caller, "process", None)
+        self.pending.append(_Pending(iteration=iteration, mark=done, process=process, needed=needed))
 
     def finalize(self, *, blocking: bool) -> None:
-        """Collective, every iteration and ``blocking`` before the run ends: finish (publish) the
-        saves whose writes are done on every rank; ``blocking`` waits for all of them, checking
-        the persistent workers while it waits."""
-        while self.queue.get_num_unfinalized_calls():  # the same count on every rank
-            self._check_worker("while its save was awaited")
-            self.queue.maybe_finalize_async_calls(blocking=False)
-            if not blocking:
-                return
-            if self.queue.get_num_unfinalized_calls():
+        """Collective, every iteration, and ``blocking`` before the next save, at exit and at an
+        exit signal: publish the oldest save once every rank's write is done. Not blocking, one
+        all-reduce of every rank's (worker gone, write not settled) flags decides, so a save
+        whose writes are done is published at the first call after; ``blocking`` waits for every
+        pending save, checking the persistent workers while it waits."""
+        while self.pending:  # the same count on every rank
+            dead, busy = _ranks_with(self._worker_dead(), not self.pending[0].settled())
+            if dead:
+                raise RuntimeError(f"the persistent checkpoint worker of rank(s) {dead} is gone (while the save of "
+                                   f"iteration {self.pending[0].iteration} was awaited); the latest published "
+                                   "checkpoint is still the one before")
+            if busy:
+                if not blocking:
+                    return
                 time.sleep(_POLL_S)
+                continue
+            # every rank's write returned (or its writer ended): megatron-core's finalisation of the
+            # oldest call (joins the writer, gathers its results), then the marks' check, then publish
+            with failfast.noting_bytes_needed(self.pending.pop(0).needed):
+                self.queue.maybe_finalize_async_calls(blocking=True)
+
+    def _worker_dead(self) -> bool:
+        process = self.worker()
+        return process is not None and not process.is_alive()
 
     def close(self) -> None:
         """Collective: every save finished, the persistent worker stopped."""

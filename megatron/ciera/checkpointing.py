@@ -64,7 +64,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron.ciera import checkpoint_async, fsdp_dtensor_checkpoint, torch_checkpoint
+from megatron.ciera import checkpoint_async, failfast, fsdp_dtensor_checkpoint, torch_checkpoint
 from megatron.ciera.checkpoint_fixes import fit_optimizer_layout, torch_adam_step_fix
 from megatron.ciera.checkpoint_publish import (CHECKSUMS, TRACKER, begin, complete_iterations, iteration_dir,
                                                latest_iteration, print0, publish, remove_interrupted, verify)
@@ -168,17 +168,37 @@ def write(state: dict, *, root: str, iteration: int, queue=None, args: argparse.
 
     partial = begin(root=root, iteration=iteration)
     kwargs = checkpoint_async.save_kwargs(args, asynchronous=queue is not None)
+    needed = _bytes_to_write(state)  # named should the disk fill up (megatron.ciera.failfast)
 
     def publish_it():
         publish(root=root, iteration=iteration, retain_interval=getattr(args, "save_retain_interval", None),
                 protect=protect)
 
     if queue is None:
-        dist_checkpointing.save(state, partial, content_metadata=dict(CONTENT_METADATA), **kwargs)
+        with failfast.noting_bytes_needed(needed):
+            dist_checkpointing.save(state, partial, content_metadata=dict(CONTENT_METADATA), **kwargs)
         publish_it()
         return
-    request = dist_checkpointing.save(state, partial, content_metadata=dict(CONTENT_METADATA), **kwargs)
-    queue.schedule(request, root=root, iteration=iteration, publish=publish_it)
+    with failfast.noting_bytes_needed(needed):
+        request = dist_checkpointing.save(state, partial, content_metadata=dict(CONTENT_METADATA), **kwargs)
+    queue.schedule(request, root=root, iteration=iteration, publish=publish_it, needed=needed)
+
+
+def _bytes_to_write(state: dict) -> int:
+    """Collective: about how many bytes the checkpoint of ``state`` takes, all ranks together (the
+    tensors each rank writes as their main replica; a small all-reduce)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory, is_main_replica
+
+    mine = 0
+    for value in nested_values(state):
+        if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and is_main_replica(value.replica_id):
+            data = value.data
+            if isinstance(data, torch.Tensor):
+                mine += data.numel() * data.element_size()
+    total = torch.tensor([mine], dtype=torch.int64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(total)
+    return int(total.item())
 
 
 def save(args: argparse.Namespace, *, iteration: int, model, optimizer, scheduler, flops_so_far: float = 0.0,

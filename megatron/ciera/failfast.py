@@ -10,8 +10,12 @@
   Under torchrun a sentinel process also ends the rank's whole process group when the rank dies,
   reaching what fork hooks cannot (processes started by fork + exec, as ``multiprocessing``'s
   spawn: megatron-core's checkpoint results Manager).
-* :class:`explain_save_errors`: a full disk during a save becomes one line naming the path and the
-  bytes free.
+* :class:`explain_save_errors`: a full disk during a save becomes one line naming the path, the
+  bytes the checkpoint needs and the bytes free.
+* :func:`usage_error`: an argument error is printed once (rank 0) with a one-line usage hint.
+* Every rank that fails writes its message to torch's elastic error file, so the launcher's
+  summary names the cause; an error every rank raises alike is printed once for the job, naming
+  the ranks (:func:`exit_on_error`).
 * :mod:`megatron.ciera.watchdog` (the stall report, a dead child) ends a rank through
   :func:`exit_now` too; :func:`exit_on_error` asks it to describe a distributed timeout.
 * :class:`FaultPlan`: ``CIERA_FAULT_INJECT=KIND:RANK:ITERATION`` makes one rank fail on purpose
@@ -33,6 +37,13 @@ from dataclasses import dataclass
 
 FAULT_ENV = "CIERA_FAULT_INJECT"
 _KILL_FORKED_ENV = "CIERA_FAULT_KILL_FORKED"  # set only around an injected save (see FaultPlan)
+_FORKED = "forked"  # _KILL_FORKED_ENV's value once a process was forked inside the block
+_ERROR_KEY = "ciera/error/"  # rendezvous-store keys of the errors being reported (exit_on_error)
+_PR_SET_NAME = 15
+# What a rank's forked child is, from where it was forked (the caller's file), as the watchdog names it.
+_CHILD_ROLES = ((f"torch{os.sep}utils{os.sep}data{os.sep}", "dl-worker"), ("dist_checkpointing", "ckpt-writer"))
+CHILD_NAMES = {"dl-worker": "DataLoader worker", "ckpt-writer": "checkpoint writer"}
+"""Process names (``/proc/PID/comm``) :func:`name_process` gives a rank's children, and what they are."""
 _PR_SET_PDEATHSIG = 1
 # Backend errors that only say a peer's process ended (its own report names the cause).
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
@@ -52,8 +63,31 @@ def die_with_parent() -> None:
             return
     if os.getppid() != parent:
         os._exit(1)
+    frame = sys._getframe(1)
+    while frame is not None:
+        role = next((r for anchor, r in _CHILD_ROLES if anchor in frame.f_code.co_filename), None)
+        if role is not None:
+            name_process(role)
+            break
+        frame = frame.f_back
     if os.environ.get(_KILL_FORKED_ENV):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def name_process(name: str) -> None:
+    """Set this process's name (``/proc/self/comm``; a key of :data:`CHILD_NAMES`), which the
+    watchdog reads to say what a dead child was (Linux; a no-op elsewhere)."""
+    if sys.platform.startswith("linux"):
+        try:
+            _libc().prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+
+
+def _note_fork() -> None:
+    """Before a fork: the ``kill-writer`` fault (if armed) has a process to fire in."""
+    if os.environ.get(_KILL_FORKED_ENV):
+        os.environ[_KILL_FORKED_ENV] = _FORKED
 
 
 def _libc():
@@ -91,7 +125,7 @@ def guard_children() -> None:
     if os.environ.get(marker):
         return
     os.environ[marker] = "1"
-    os.register_at_fork(after_in_child=die_with_parent)
+    os.register_at_fork(before=_note_fork, after_in_child=die_with_parent)
     if (sys.platform.startswith("linux") and "TORCHELASTIC_RUN_ID" in os.environ
             and os.getpgid(0) == os.getpid()):
         _start_sentinel()
@@ -149,22 +183,130 @@ def exit_now(message: str, *, code: int = 1, gate: ExitGate | None = None) -> No
             time.sleep(60)
     _flush()
     if message:
+        record_error(message)
         print(message, file=sys.stderr, flush=True)
     _flush()
     os._exit(code)
 
 
+def record_error(message: str) -> None:
+    """Write ``message`` to torch's elastic error file of this rank (``TORCHELASTIC_ERROR_FILE``,
+    set by torchrun; the format of ``torch.distributed.elastic``'s ``ErrorHandler``), so that the
+    launcher's failure summary shows it instead of "To enable traceback see ...". A no-op outside
+    torchrun or when the file cannot be written."""
+    import json
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or not message:
+        return
+    data = {"message": {"message": message.splitlines()[0],
+                        "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass
+
+
+def _store():
+    """The job's rendezvous store (``None`` before the process group exists)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def _report_once(message: str, rank: int) -> str | None:
+    """For an error that every rank may raise alike (a ``SystemExit`` message): the line this rank
+    prints, ``None`` when another rank prints it. The first rank to report it (a counter in the
+    rendezvous store, keyed by the message with its numbers blanked) waits up to a second for the
+    others and prints it once, naming the ranks that raised it; the others wait (up to 3 s) until
+    it is printed, so that the launcher, which ends the job when the first rank exits, ends no
+    rank before. Without a store the message is printed as it is."""
+    import datetime
+    import hashlib
+    import re
+
+    store = _store()
+    if store is None:
+        return message
+    key = _ERROR_KEY + hashlib.sha256(re.sub(r"\d+", "#", message).encode()).hexdigest()[:16]
+    try:
+        store.set_timeout(datetime.timedelta(seconds=3))
+        store.set(f"{key}/rank{rank}", "")
+        first = store.add(key, 1) == 1
+        if not first:
+            store.wait([f"{key}/done"], datetime.timedelta(seconds=3))
+            return None
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        deadline = time.time() + 1.0
+        while store.add(key, 0) < world and time.time() < deadline:
+            time.sleep(0.05)
+        ranks = [r for r in range(world) if store.check([f"{key}/rank{r}"])]
+    except Exception:  # noqa: BLE001 - the store is gone or slow: say it as it is
+        return message
+    if len(ranks) <= 1:
+        return message
+    who = f"ranks {_ranges(ranks)}" if len(ranks) < world else "every rank"
+    own = f"rank {rank}: "
+    return f"{who}: {message[len(own):]}" if message.startswith(own) else f"{message} [{who}]"
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``0-3, 5``: ranks as ranges."""
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ", ".join(out)
+
+
+def _mark_reported(message: str) -> None:
+    import hashlib
+    import re
+
+    store = _store()
+    if store is not None:
+        try:
+            store.set(_ERROR_KEY + hashlib.sha256(re.sub(r"\d+", "#", message).encode()).hexdigest()[:16] + "/done", "")
+        except Exception:  # noqa: BLE001 - the store is gone: nobody waits
+            pass
+
+
+def usage_error(message: str, *, prog: str = "pretrain_gpt.py") -> None:
+    """An argument error (never returns; ``SystemExit(2)``, argparse's status): the message once,
+    on rank 0 (every rank parses the same command line), with a one-line usage hint instead of
+    argparse's usage of every flag; every rank's elastic error file names it."""
+    text = f"{prog}: error: {message}"
+    record_error(text)
+    if _rank() in (0, None):
+        print(f"{text}\n(usage: {prog} [Megatron-LM flags] [--ciera-* flags]; python {prog} --help lists them)",
+              file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
 def exit_on_error(exc: BaseException, *, watchdog=None) -> None:
     """The error path of a rank (never returns): report ``exc`` once and leave at once.
 
-    A ``SystemExit`` carrying a message (the repo's clear errors) prints just that message; a
-    distributed timeout prints the watchdog's one line (collective, group, missing ranks) when it
-    can name them (``watchdog``: the rank's :class:`megatron.ciera.watchdog.Watchdog`); a lost
-    peer one line; anything else its traceback under a header naming the rank."""
+    A ``SystemExit`` carrying a message (the repo's clear errors) prints just that message, once
+    for the job when several ranks raise it (:func:`_report_once`); a distributed timeout prints
+    the watchdog's one line (collective, group, missing ranks) when it can name them
+    (``watchdog``: the rank's :class:`megatron.ciera.watchdog.Watchdog`); a lost peer one line;
+    anything else its traceback under a header naming the rank. The message goes to the rank's
+    elastic error file too (:func:`record_error`)."""
     rank = _rank()
     who = f"rank {rank}" if rank is not None else "this process"
     if isinstance(exc, SystemExit):
         message = "" if exc.code is None or isinstance(exc.code, int) else str(exc.code)
+        if message:
+            _exit_reported_once(message, rank=rank, code=_exit_code(exc), watchdog=watchdog)
     else:
         stall = watchdog.stall(exc) if watchdog is not None else None
         lost = next((m for m in _PEER_LOST if m in str(exc)), None)
@@ -172,12 +314,37 @@ def exit_on_error(exc: BaseException, *, watchdog=None) -> None:
             message = stall
         elif lost is not None:  # a consequence: the peer that failed printed the cause
             where = describe_wait(list(traceback.walk_tb(exc.__traceback__)))
-            message = (f"{who}: a peer went away during {where} ({lost}): ending this rank; "
-                       "the cause is the failing rank's own error")
+            _exit_reported_once(f"{who}: a peer went away during {where} ({lost}): ending this rank; the cause is "
+                                "the failing rank's own error", rank=rank, code=_exit_code(exc), watchdog=watchdog)
         else:
             message = (f"{who}: {type(exc).__name__} (ending this rank now; the launcher ends the others):\n"
                        + "".join(traceback.format_exception(exc)).rstrip())
     exit_now(message, code=_exit_code(exc), gate=watchdog.gate if watchdog is not None else None)
+
+
+def _exit_reported_once(message: str, *, rank: int | None, code: int, watchdog) -> None:
+    """End this rank (never returns) with ``message``, printed once for every rank that reports
+    the same (:func:`_report_once`); the launcher's SIGTERM waits until it is said."""
+    record_error(message)
+    if watchdog is not None and not watchdog.gate.claim():
+        _wait_forever()
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # ending anyway: say it first (the launcher's SIGKILL stays)
+    except ValueError:  # not the main thread
+        pass
+    line = _report_once(message, rank if rank is not None else 0)
+    if line is not None:
+        _flush()
+        print(line, file=sys.stderr, flush=True)
+        _mark_reported(message)
+    _flush()
+    os._exit(code)
+
+
+def _wait_forever() -> None:
+    """Another thread of this rank is already reporting and ending it."""
+    while True:
+        time.sleep(60)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,6 +353,11 @@ def exit_on_error(exc: BaseException, *, watchdog=None) -> None:
 # How a full disk shows through the writers: the OS's errno, or torch's zip writer noticing that a
 # write came up short ("unexpected pos", with the errno lost).
 _DISK_FULL_SIGNS = ("No space left on device", "unexpected pos", "Disk quota exceeded")
+# How the ranks whose own write did not fail see a full disk on another (megatron-core gathers the
+# writers' failures): counted as a full disk only while the file system is short of space too.
+_PEER_FAILED_SIGNS = ("Worker failure", "CheckpointException")
+NEEDED_ATTR = "ciera_bytes_needed"
+"""Attribute a failed save's exception carries: the bytes the whole checkpoint needs (all ranks)."""
 _LOW_SPACE_BYTES = 64 << 20
 
 
@@ -201,7 +373,8 @@ def disk_full_message(exc: BaseException, path: str) -> str | None:
         chain.append(seen)
         seen = seen.__cause__ or seen.__context__
     errnos = {getattr(e, "errno", None) for e in chain}
-    signs = any(sign in str(e) for e in chain for sign in _DISK_FULL_SIGNS)
+    needed = next((getattr(e, NEEDED_ATTR) for e in chain if getattr(e, NEEDED_ATTR, None)), None)
+    signs = any(sign in f"{type(e).__name__}: {e}" for e in chain for sign in (*_DISK_FULL_SIGNS, *_PEER_FAILED_SIGNS))
     probe = path
     while probe and not os.path.exists(probe):
         probe = os.path.dirname(probe)
@@ -209,12 +382,31 @@ def disk_full_message(exc: BaseException, path: str) -> str | None:
         free = shutil.disk_usage(probe or ".").free
     except OSError:
         free = None
-    if not (errnos & {errno.ENOSPC, errno.EDQUOT} or (signs and free is not None and free < _LOW_SPACE_BYTES)):
+    short = free is not None and (free < _LOW_SPACE_BYTES or (needed is not None and free < needed))
+    if not (errnos & {errno.ENOSPC, errno.EDQUOT} or (signs and short)):
         return None
     left = f"{free} bytes free" if free is not None else "free space unknown"
-    return (f"saving a checkpoint under {path} failed: the disk is full ({left} on {probe}); the previous "
-            f"checkpoint is intact. Free space there or choose another --save ({type(exc).__name__}: "
-            f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''})")
+    need = f"the checkpoint needs about {needed} bytes, " if needed else ""
+    return (f"saving a checkpoint under {path} failed: the disk is full ({need}{left} on {probe}); the previous checkpoint is intact. Free space there or choose another --save")
+
+
+class noting_bytes_needed:
+    """Context manager around a checkpoint write: an exception leaving it carries ``needed``, the
+    bytes the checkpoint takes (:data:`NEEDED_ATTR`), for :func:`disk_full_message`."""
+
+    def __init__(self, needed: int | None):
+        self.needed = needed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if exc is not None and self.needed and not getattr(exc, NEEDED_ATTR, None):
+            try:
+                setattr(exc, NEEDED_ATTR, self.needed)
+            except AttributeError:
+                pass
+        return False
 
 
 class explain_save_errors:
@@ -228,7 +420,8 @@ class explain_save_errors:
         return self
 
     def __exit__(self, kind, exc, tb):
-        if exc is not None and self.path and isinstance(exc, Exception):
+        # (torch's CheckpointException, which megatron-core raises for a failed write, is a BaseException)
+        if exc is not None and self.path and not isinstance(exc, (SystemExit, KeyboardInterrupt, GeneratorExit)):
             message = disk_full_message(exc, self.path)
             if message is not None:
                 raise SystemExit(message) from exc
@@ -264,6 +457,24 @@ class FaultPlan:
     def fires(self, kind: str, *, rank: int, iteration: int) -> bool:
         return (self.kind, self.rank, self.iteration) == (kind, rank, iteration)
 
+    def text(self) -> str:
+        return f"{FAULT_ENV}={self.kind}:{self.rank}:{self.iteration}"
+
+    def warn_if_unreachable(self, *, rank: int, world_size: int, args) -> None:
+        """At start-up (rank 0 says it): a fault whose rank does not exist, or a ``kill-writer``
+        at an iteration that saves no checkpoint, cannot fire."""
+        why = None
+        if self.rank >= world_size:
+            why = f"there is no rank {self.rank} (world size {world_size})"
+        elif self.kind == "kill-writer":
+            save_interval, train_iters = getattr(args, "save_interval", None), getattr(args, "train_iters", None)
+            if not getattr(args, "save", None):
+                why = "no --save: no checkpoint is written"
+            elif not ((save_interval and self.iteration % save_interval == 0) or self.iteration == train_iters):
+                why = f"no checkpoint is saved at iteration {self.iteration} (--save-interval {save_interval})"
+        if why and rank == 0:
+            print(f"WARNING: {self.text()}: {why}; the injected fault cannot fire", flush=True)
+
 
 def inject_after_step(plan: FaultPlan | None, *, rank: int, iteration: int) -> None:
     """The ``raise`` and ``stop`` faults (a no-op without a plan)."""
@@ -278,18 +489,27 @@ def inject_after_step(plan: FaultPlan | None, *, rank: int, iteration: int) -> N
 
 class kill_forked_children:
     """Context manager: with ``active``, every process forked inside the block kills itself at
-    once (SIGKILL) -- the ``kill-writer`` fault, a checkpoint writer dying mid-save."""
+    once (SIGKILL) -- the ``kill-writer`` fault, a checkpoint writer dying mid-save. A block that
+    forked nothing (a rank with nothing to write in the background, or megatron-core writing with
+    threads) says that the fault (``plan``) could not fire, unless ``spawned`` (the persistent
+    worker, killed by the caller)."""
 
-    def __init__(self, active: bool):
-        self.active = active
+    def __init__(self, active: bool, *, plan: FaultPlan | None = None, spawned: bool = False):
+        self.active, self.plan, self.spawned = active, plan, spawned
+        self.forked = False
+        """Whether a process was forked inside the (active) block."""
 
     def __enter__(self):
         if self.active:
             os.environ[_KILL_FORKED_ENV] = "1"
         return self
 
-    def __exit__(self, *exc):
-        os.environ.pop(_KILL_FORKED_ENV, None)
+    def __exit__(self, kind, exc, tb):
+        self.forked = os.environ.pop(_KILL_FORKED_ENV, None) == _FORKED
+        if self.active and not self.forked and not self.spawned and kind is None:
+            what = self.plan.text() if self.plan is not None else FAULT_ENV
+            print(f"WARNING: {what}: this rank forked no checkpoint writer for this save (nothing of its own to "
+                  "write in a background process); the injected fault cannot fire", flush=True)
         return False
 
 

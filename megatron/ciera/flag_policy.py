@@ -86,6 +86,7 @@ _HONOURED = {
     "rampup_batch_size", "step_batch_size_schedule",  # megatron.ciera.batch_schedule
     "squared_relu",  # model.transformer_config's activation, as upstream
     "enable_experimental",  # training.train sets megatron-core's experimental flag, as upstream
+    "exit_signal_handler", "exit_signal",  # megatron.ciera.exit_signal: a checkpoint, then a clean exit
 }
 
 # Kernel / fusion / backend choices: honoured on GPU, the plain path on CPU.

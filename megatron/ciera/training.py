@@ -31,11 +31,12 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import batch_schedule, bucket_group
 from . import fsdp2 as fsdp2_binding
 from . import megatron_fsdp
-from . import checkpointing, data, evaluation, failfast, logging_utils, parallel, profiling, timers, upstream_notices
+from . import checkpointing, data, evaluation, exit_signal, failfast, logging_utils, parallel, profiling, timers, upstream_notices
 from . import model as model_lib
 from . import watchdog as watchdog_lib
 from .arguments import ciera_config_from_args, parse_args
@@ -256,7 +257,8 @@ def _load_checkpoint(args, model, optimizer, scheduler) -> int:
 class _Run:
     """What the loop's steps share: the model, optimizer, data, sinks and interval counters."""
 
-    def __init__(self, args, model, optimizer, scheduler, config, datasets, timers, ciera_config, start_iter):
+    def __init__(self, args, model, optimizer, scheduler, config, datasets, timers, ciera_config, start_iter,
+                 watchdog=None):
         from megatron.core import parallel_state
 
         self.args, self.model, self.optimizer, self.scheduler = args, model, optimizer, scheduler
@@ -276,6 +278,12 @@ class _Run:
         self.flops_per_iteration = logging_utils.flops_per_iteration(args)
         self.async_saves = checkpointing.async_queue(args)  # --async-save (None without)
         self.faults = failfast.FaultPlan.from_env()  # CIERA_FAULT_INJECT (tests); None normally
+        if self.faults is not None:
+            self.faults.warn_if_unreachable(rank=dist.get_rank(), world_size=dist.get_world_size(), args=args)
+        self.watchdog = watchdog  # told what the loop is doing (its report of a dead child says it)
+        self.exit_signal = (exit_signal.ExitSignal.install(signum=args.exit_signal)
+                            if getattr(args, "exit_signal_handler", False) else None)
+        self.saved_at = None  # the iteration of the last checkpoint saved (or started) by this run
         self.profiler = profiling.StepProfiler.from_args(args, rank=dist.get_rank())  # --profile (None without)
         self.batches = batch_schedule.BatchSchedule.from_args(args)  # the global batch of each iteration
         self.selection_log: logging_utils.SelectionLog | None = None  # rank 0's selection lines
@@ -405,10 +413,20 @@ def _evaluate(run: _Run, *, split: str, index: int, prefix: str) -> None:
     _print0(block)
 
 
+def _phase(run: _Run, what: str) -> None:
+    """Tell the watchdog where the loop is (its report of a dead child names it)."""
+    if run.watchdog is not None:
+        run.watchdog.phase = what
+
+
 def _save(run: _Run) -> None:
     _sync_params(run.model, run.args)
+    _phase(run, f"iteration {run.iteration}'s checkpoint save")
+    run.saved_at = run.iteration
     doomed = run.faults is not None and run.faults.fires("kill-writer", rank=dist.get_rank(), iteration=run.iteration)
-    with failfast.kill_forked_children(doomed), failfast.explain_save_errors(run.args.save):
+    spawned = run.async_saves is not None and run.async_saves.persistent  # killed below, not forked
+    with failfast.kill_forked_children(doomed, plan=run.faults, spawned=spawned), \
+            failfast.explain_save_errors(run.args.save):
         checkpointing.save(run.args, iteration=run.iteration, model=run.model, optimizer=run.optimizer,
                            scheduler=run.scheduler, flops_so_far=run.iteration * run.flops_per_iteration,
                            queue=run.async_saves)
@@ -431,12 +449,15 @@ def _train_loop(run: _Run) -> bool:
     while run.iteration < args.train_iters:
         if run.profiler is not None:
             run.profiler.before_step(run.iteration)
+        _phase(run, f"iteration {run.iteration + 1}'s forward-backward and optimizer step")
         grad_norm, num_zeros = _train_step(run, batches)
         if run.profiler is not None:
             run.profiler.after_step(run.iteration)
         failfast.inject_after_step(run.faults, rank=dist.get_rank(), iteration=run.iteration)
-        with failfast.explain_save_errors(args.save):
+        _phase(run, f"iteration {run.iteration}'s check of the checkpoint writes")
+        with failfast.explain_save_errors(args.save):  # a save whose writes are done is published now
             checkpointing.finalize_async_saves(run.async_saves, blocking=False)
+        _phase(run, f"iteration {run.iteration}'s logging, evaluation and saving")
         it = run.iteration
         exiting = bool(args.exit_interval) and it % args.exit_interval == 0
         if it % args.log_interval == 0 or it == args.train_iters or exiting:  # no iteration left unlogged
@@ -449,6 +470,15 @@ def _train_loop(run: _Run) -> bool:
             _save_snapshot(run.model, args, it)
         if args.save and args.save_interval and it % args.save_interval == 0:
             _save(run)
+        if run.exit_signal is not None and run.exit_signal.received():  # --exit-signal-handler
+            _print0(f"received {run.exit_signal.name}: saving a checkpoint at iteration {it} and exiting "
+                    "(--exit-signal-handler)")
+            if args.save and run.saved_at != it:
+                _save(run)
+            with failfast.explain_save_errors(args.save):
+                checkpointing.finalize_async_saves(run.async_saves, blocking=True)
+            _print0(f"exiting after {run.exit_signal.name} at iteration {it}")
+            return False
         if exiting:
             return it >= args.train_iters
     return True
@@ -483,13 +513,14 @@ def train(args, *, watchdogs: list | None = None) -> str:
     ciera_config = _install_ciera(args, model, optimizer, opt_config)
     start_iter = _load_checkpoint(args, model, optimizer, scheduler)
     datasets = data.build_datasets(args, tokenizer)
-    run = _Run(args, model, optimizer, scheduler, config, datasets, step_timers, ciera_config, start_iter)
+    run = _Run(args, model, optimizer, scheduler, config, datasets, step_timers, ciera_config, start_iter,
+               watchdog=watchdogs[0] if watchdogs else None)
     run.selection_log = selection_log
     completed = _train_loop(run)
     if run.profiler is not None:  # a window the run ended inside is written now
         run.profiler.close()
     _sync_params(model, args)
-    if args.save and (not args.save_interval or run.iteration % args.save_interval != 0):
+    if args.save and run.saved_at != run.iteration and (not args.save_interval or run.iteration % args.save_interval):
         _save(run)
     with failfast.explain_save_errors(args.save):
         checkpointing.finalize_async_saves(run.async_saves, blocking=True)
@@ -510,6 +541,7 @@ def train(args, *, watchdogs: list | None = None) -> str:
     return digest
 
 
+@record  # an error that escapes (none should: exit_on_error) still reaches the launcher's summary
 def main(argv: list[str] | None = None) -> None:
     """Entry point of one rank. An error anywhere ends this rank at once, printed once and with a
     non-zero status, without a collective or a wait on the other ranks (the launcher ends them):

@@ -4,8 +4,9 @@ end badly (:class:`Watchdog`).
 1. It publishes the rank's collective sequence number of every process group, its host, pid and a
    heartbeat to the rendezvous store (every second).
 2. It ends the rank when one of its child processes dies by a fatal signal (a dead checkpoint
-   writer would otherwise leave the rank waiting on it forever); the line names the child and
-   where the rank was.
+   writer would otherwise leave the rank waiting on it forever); the line says what the child was
+   (DataLoader worker, checkpoint writer: :func:`megatron.ciera.failfast.name_process`) and where
+   the training loop was (:attr:`Watchdog.phase`, e.g. "iteration 5's forward-backward").
 3. It ends the rank when the main thread has waited on communication for the distributed timeout
    while peers of that group never entered the collective; the line names the collective (the
    ``torch.distributed`` call and its caller), the group (name, description, ranks) and the ranks
@@ -25,7 +26,7 @@ import threading
 import time
 import traceback
 
-from .failfast import ExitGate, describe_wait, exit_now
+from .failfast import CHILD_NAMES, ExitGate, describe_wait, exit_now
 
 _STORE_PREFIX = "ciera/watchdog/"
 # A child killed by one of these died by accident or by force; SIGTERM / SIGINT are how parents
@@ -62,6 +63,16 @@ def _killed_child() -> tuple[int, int] | None:
         if info is not None and info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) and info.si_status in _FATAL_CHILD_SIGNALS:
             return pid, info.si_status
     return None
+
+
+def _child_name(pid: int) -> str:
+    """What child ``pid`` is (its process name, set when it was started), else "child process"."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            comm = f.read().strip()
+    except OSError:
+        return "child process"
+    return CHILD_NAMES.get(comm, "child process")
 
 
 def _blocking(frame) -> bool:
@@ -104,6 +115,8 @@ class Watchdog:
         self._top: tuple = (None, time.time())  # (main thread's innermost frame and line, since when)
         self._silent: dict[int, dict] = {}  # rank -> its last published state, for silent peers
         self._thread = threading.Thread(target=self._run, name="ciera-watchdog", daemon=True)
+        self.phase: str | None = None
+        """Where the training loop is (set by the loop; ``None`` outside it)."""
 
     def start(self) -> "Watchdog":
         self._publish()
@@ -240,10 +253,10 @@ class Watchdog:
             killed = _killed_child()
             if killed is not None and not self._stop.is_set():
                 pid, sig = killed
-                where = describe_wait(_walk(sys._current_frames().get(self.main_thread.ident)))
-                exit_now(f"rank {self.rank}: child process {pid} was killed by {signal.Signals(sig).name} "
-                         f"while this rank was in {where}; ending this rank now (the launcher ends the others)",
-                         gate=self.gate)
+                where = (f"during {self.phase}" if self.phase else
+                         f"while this rank was in {describe_wait(_walk(sys._current_frames().get(self.main_thread.ident)))}")
+                exit_now(f"rank {self.rank}: its {_child_name(pid)} (pid {pid}) was killed by {signal.Signals(sig).name} "
+                         f"{where}; ending this rank now (the launcher ends the others)", gate=self.gate)
             self._check_stall()
 
     def _check_stall(self) -> None:

@@ -20,7 +20,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from megatron.ciera import checkpoint_fixes, checkpoint_publish, checkpoint_state, checkpointing
+from megatron.ciera import checkpoint_async, checkpoint_fixes, checkpoint_publish, checkpoint_state, checkpointing
 from megatron.ciera.launch import run_pretrain
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -179,7 +179,13 @@ def _async_save_scenario(tmp_path, *, persistent: bool):
         checkpointing.write(state(5.0), root=root, iteration=5, queue=queue, args=args)
         assert checkpointing.latest_iteration(root) == 4 and checkpointing.complete_iterations(root) == [4]
         assert os.path.isdir(checkpointing.iteration_dir(root, 5) + ".incomplete")
-        queue.finalize(blocking=True)
+        # published at the first (non-blocking) check after the write returned, whether or not
+        # the writer process has ended yet
+        mark = checkpoint_async.mark_path(checkpointing.iteration_dir(root, 5) + ".incomplete", 0)
+        deadline = time.time() + 60
+        while not os.path.exists(mark) and time.time() < deadline:
+            time.sleep(0.01)
+        queue.finalize(blocking=False)
         assert checkpointing.latest_iteration(root) == 5 and checkpointing.complete_iterations(root) == [4, 5]
         assert checkpointing.verify(checkpointing.iteration_dir(root, 5)) == []
         assert torch.equal(dist_checkpointing.load_plain_tensors(checkpointing.iteration_dir(root, 5))["w"],

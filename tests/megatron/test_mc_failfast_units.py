@@ -1,5 +1,6 @@
 """The small fail-fast pieces in one process: optimizer and schedule ranges refused up front by
-flag, inert --ciera-* flags named, a full disk named with its free bytes, the fault switch."""
+flag, inert --ciera-* flags named, a full disk named with its free bytes, the fault switch and
+faults that cannot fire."""
 
 import errno
 import shutil
@@ -52,6 +53,12 @@ def test_a_full_disk_is_named_with_its_free_bytes(tmp_path, monkeypatch):
     assert "the disk is full (4096 bytes free" in str(info.value.code)
     with pytest.raises(KeyError), failfast.explain_save_errors(str(tmp_path)):
         raise KeyError("unrelated")  # passes unchanged
+    # a rank whose own write did not fail sees megatron-core's gathered failure; the bytes needed
+    # ride on the exception (failfast.noting_bytes_needed)
+    with pytest.raises(SystemExit) as info, failfast.explain_save_errors(str(tmp_path)), \
+            failfast.noting_bytes_needed(123456):
+        raise RuntimeError("CheckpointException ranks: dict_keys([])")
+    assert "the disk is full (the checkpoint needs about 123456 bytes, 4096 bytes free on" in str(info.value.code)
 
 
 def test_a_writer_error_with_space_left_is_not_called_a_full_disk(tmp_path, monkeypatch):
@@ -78,3 +85,51 @@ def test_verify_is_on_by_default():
     from ciera import CieraConfig
 
     assert CieraConfig().verify_interval > 0
+
+
+_FORK_PROBE = """
+import os, signal
+from megatron.ciera import failfast
+failfast.guard_children()
+plan = failfast.FaultPlan("kill-writer", 1, 4)
+with failfast.kill_forked_children(True, plan=plan) as block:
+    pass  # a rank with nothing to write in the background: no writer to kill
+assert not block.forked
+with failfast.kill_forked_children(True, plan=plan) as block:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+assert block.forked and os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
+print("probe done", flush=True)
+"""
+
+
+def test_a_kill_writer_fault_that_cannot_fire_says_so():
+    """kill-writer on a rank that forks no writer warns, naming the injection; one that forks is
+    killed, without a warning (in a child process: the fork hooks stay out of the test's)."""
+    import subprocess
+    import sys
+
+    from megatron.ciera.launch import ROOT
+
+    out = subprocess.run([sys.executable, "-c", _FORK_PROBE], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "probe done" in out.stdout, out.stdout + out.stderr
+    warnings = [line for line in out.stdout.splitlines() if line.startswith("WARNING")]
+    assert warnings == [f"WARNING: {failfast.FAULT_ENV}=kill-writer:1:4: this rank forked no checkpoint writer for "
+                        "this save (nothing of its own to write in a background process); the injected fault "
+                        "cannot fire"], out.stdout
+
+
+def test_a_fault_whose_target_does_not_exist_says_so(capsys):
+    import argparse
+
+    args = argparse.Namespace(save="/ckpt", save_interval=2, train_iters=10)
+    failfast.FaultPlan("raise", 2, 3).warn_if_unreachable(rank=0, world_size=2, args=args)
+    failfast.FaultPlan("kill-writer", 1, 3).warn_if_unreachable(rank=0, world_size=2, args=args)
+    failfast.FaultPlan("kill-writer", 1, 4).warn_if_unreachable(rank=0, world_size=2, args=args)  # fine
+    failfast.FaultPlan("kill-writer", 1, 3).warn_if_unreachable(rank=1, world_size=2, args=args)  # rank 0 says it
+    assert capsys.readouterr().out.splitlines() == [
+        f"WARNING: {failfast.FAULT_ENV}=raise:2:3: there is no rank 2 (world size 2); the injected fault cannot fire",
+        f"WARNING: {failfast.FAULT_ENV}=kill-writer:1:3: no checkpoint is saved at iteration 3 (--save-interval 2); "
+        "the injected fault cannot fire"]

@@ -1,0 +1,65 @@
+"""``--exit-signal-handler`` (Megatron-LM's flag): a signal (``--exit-signal``, SIGTERM by default:
+what SLURM sends before a job's time limit or a preemption, and what torchrun forwards to every
+rank's process group when it is itself terminated) ends training cleanly at the next iteration
+boundary, after a checkpoint of that iteration.
+
+As upstream's ``DistributedSignalHandler``: the handler only records the signal; the loop asks
+every iteration, and the ranks agree (one small all-reduce), so that all of them save and stop at
+the same iteration. The processes a rank started keep running through the signal (torchrun sends
+it to the whole process group): forked ones inherit the recording handler, the spawned persistent
+checkpoint worker ignores it (:func:`ignore_in_worker`). The save has to finish within the
+launcher's grace period (torchrun's ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, 30 s by default; SLURM's
+``KillWait``, 30 s by default) before its SIGKILL.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ExitSignal", "ignore_in_worker"]
+
+_WORKER_IGNORES_ENV = "CIERA_EXIT_SIGNAL"  # the signal number, for processes spawned by a rank
+
+
+class ExitSignal:
+    """The rank's handler of ``signum`` (installed by :meth:`install`; see the module)."""
+
+    def __init__(self, signum: int):
+        self.signum = int(signum)
+        """The signal that asks for a checkpoint and a clean exit."""
+        self.name = signal.Signals(self.signum).name
+        """Its name, for the log line."""
+        self.seen = threading.Event()
+        """Set by the handler in this process."""
+
+    @classmethod
+    def install(cls, *, signum: int) -> "ExitSignal":
+        """Record ``signum`` from now on in this process (and in the processes it forks)."""
+        handler = cls(signum)
+        signal.signal(handler.signum, handler._record)
+        os.environ[_WORKER_IGNORES_ENV] = str(handler.signum)
+        return handler
+
+    def _record(self, signum, frame) -> None:
+        self.seen.set()
+
+    def received(self) -> bool:
+        """Collective: whether any rank has received the signal (the same answer on every rank)."""
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        flag = torch.tensor([int(self.seen.is_set())], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def ignore_in_worker() -> None:
+    """In a process a rank spawned (the persistent checkpoint worker): ignore the rank's exit
+    signal, so that the rank's final save still has its writer (the worker ends when the rank
+    closes it, or with the rank's process group)."""
+    signum = os.environ.get(_WORKER_IGNORES_ENV, "")
+    if signum.isdigit():
+        signal.signal(int(signum), signal.SIG_IGN)
