@@ -175,7 +175,8 @@ class StepShape:
     """Gathers of the shard per step, all of the same values (the first encodes, the others replay)."""
     replays_send: bool = True
     """A replay sends the step's payloads again and decodes them (exponent cache); ``False``: it
-    sends nothing (values cache: the receivers already hold the step's values)."""
+    sends nothing (values cache: the receivers already hold the step's values, whether the fresh
+    gather was compressed or raw)."""
     cache_passes: int = 0
     """Passes over the gathered values per gather besides the decode (exponent cache: seeding the
     fresh buffer with the cached exponents and refreshing them), each costed like a decode."""
@@ -189,15 +190,17 @@ ONE_GATHER = StepShape()
 
 
 def predict_raw(*, raw_bytes_per_rank: float, world: int, link: Link, shape: StepShape = ONE_GATHER) -> Prediction:
-    """Predicted cost of a plain all-gather (per step: ``shape.gathers`` of them)."""
-    comm = shape.gathers * link.allgather_time(bytes_per_rank=raw_bytes_per_rank, world=world)
+    """Predicted cost of a plain all-gather (per step: ``shape.gathers`` of them, or one when
+    replays send nothing)."""
+    sending = shape.gathers if shape.replays_send else 1
+    comm = sending * link.allgather_time(bytes_per_rank=raw_bytes_per_rank, world=world)
     return Prediction(RAW, float(raw_bytes_per_rank), 0.0, comm, 0.0, comm)
 
 
 def agreement_time(*, link: Link, world: int, buckets: int = 1) -> float:
     """Cost of the per-step size agreement charged to each of ``buckets`` compressed buckets of a
-    group: one all-gather of 16 bytes per bucket and rank (latency-bound), shared by the buckets."""
-    return link.allgather_time(bytes_per_rank=16 * max(buckets, 1), world=world) / max(buckets, 1)
+    group: one all-gather of 24 bytes per bucket and rank (latency-bound), shared by the buckets."""
+    return link.allgather_time(bytes_per_rank=24 * max(buckets, 1), world=world) / max(buckets, 1)
 
 
 def predict_compressed(*, raw_bytes_per_rank: float, world: int, link: Link, estimate: CodecEstimate,
@@ -208,15 +211,16 @@ def predict_compressed(*, raw_bytes_per_rank: float, world: int, link: Link, est
     exact payloads (``wire_ratio`` of raw per rank) and the batched decode of ``world - 1`` of them.
     Both codec phases take ``codec_slowdown`` times ``estimate.speed``'s time: 1 where each rank
     has its own compute; more where ranks share CPU cores (the simulator's ``HostShare``).
-    Per step under ``shape``: one encode; every gather agrees; the fresh gather and every replay
-    that sends (``replays_send``) pay the collective, the decode and the cache passes."""
+    Per step under ``shape``: one encode and one agreement (replays reuse the plan without one);
+    the fresh gather and every replay that sends (``replays_send``) pay the collective, the decode
+    and the cache passes."""
     if not codec_slowdown >= 1.0:
         raise ValueError(f"predict_compressed: codec_slowdown={codec_slowdown} must be >= 1")
     share = codec_slowdown
     wire = estimate.wire_ratio * raw_bytes_per_rank
     sending = shape.gathers if shape.replays_send else 1
     enc = share * raw_bytes_per_rank / estimate.speed.encode_bytes_per_s
-    comm = sending * link.allgather_time(bytes_per_rank=wire, world=world) + shape.gathers * agreement_s
+    comm = sending * link.allgather_time(bytes_per_rank=wire, world=world) + agreement_s
     one_decode = share * max(world - 1, 0) * raw_bytes_per_rank / estimate.speed.decode_bytes_per_s
     dec = sending * one_decode + shape.gathers * shape.cache_passes * one_decode * world / max(world - 1, 1)
     total = comm + dec + (0.0 if overlapped_encode else enc)

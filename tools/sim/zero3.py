@@ -82,8 +82,8 @@ def plan_unit(*, bucket, world: int, link: Link, mode: str, cache: str, micro_ba
         mode = d.choice
     if mode == RAW:
         p = predict_raw(raw_bytes_per_rank=raw_bytes, world=world, link=link)
-        g = GatherCost(0.0, p.comm_s, 0.0)
-        return UnitPlan(RAW, g, g, p.wire_bytes_per_rank)
+        g = GatherCost(0.0, p.comm_s, 0.0)  # a replay of the values cache holds the step's values already
+        return UnitPlan(RAW, g, g if shape.replays_send else GatherCost(0.0, 0.0, 0.0), p.wire_bytes_per_rank)
     est = next((c for c in cands if c.name == mode), None)
     if est is None:
         raise ValueError(f"unit {bucket.name}: codec {mode!r} is not usable with cache={cache!r} "
@@ -92,7 +92,8 @@ def plan_unit(*, bucket, world: int, link: Link, mode: str, cache: str, micro_ba
                            agreement_s=agree_s)
     passes = shape.cache_passes * world * raw_bytes / est.speed.decode_bytes_per_s
     fresh = GatherCost(p.encode_s, p.comm_s, p.decode_s + passes)
-    replay = GatherCost(0.0, p.comm_s, p.decode_s + passes) if shape.replays_send else GatherCost(0.0, agree_s, 0.0)
+    # a replay reuses the step's plan: no agreement; it resends (exponent cache) or sends nothing (values)
+    replay = GatherCost(0.0, p.comm_s - agree_s, p.decode_s + passes) if shape.replays_send else GatherCost(0.0, 0.0, 0.0)
     return UnitPlan(mode, fresh, replay, p.wire_bytes_per_rank)
 
 
