@@ -26,8 +26,21 @@ One gather walks four phases (:class:`Phase`), each step a public method:
 :meth:`CieraAllGather.prepare` and :meth:`CieraAllGather.prepare_many` run steps 1-2 for one bucket or
 for many with one agreement. From step 2 to the end of ``wait()`` the compressed path reads nothing
 on the host and allocates nothing (``tests/distributed/test_host_reads.py`` fails if that changes).
-On CUDA the encodes run on one side stream per device; the buffers they use are marked with
-``record_stream``.
+
+Streams (CUDA; ``tests/unit/test_stream_policy.py`` checks it on CPU with a recording fake of
+``torch.cuda``): the **encode** runs on the device's one side stream (:func:`side_stream`), after
+it waited for the stream current at the proposal (the optimizer wrote the shard there) and that
+stream waited for the previous gather's decode; the agreement's stream waits for the encode's
+event before reading the size. The plan's offsets (and a grown receive buffer) are written on the
+stream current at the agreement. The **send** runs on the stream current at ``start()``, which
+first waits for the agreement's stream and for the previous decode. The **decode** (and any
+cache the codec writes with it) runs on the stream current at ``wait()``, which the collective's
+work makes wait for the transfer. Every buffer used on a stream other than the one it was
+allocated on is marked with ``record_stream`` there (send, size, sender state and bucket on the
+side stream; send, receive and bucket on the launch stream; receive, offsets, rows and bucket on
+the decode stream), so a receive buffer replaced when it grows is not reused while a decode reads it.
+The caller orders the stream current at ``start()`` after the writes of the shard, as for a plain
+all-gather (FSDP2's copy-in does).
 
 Invariant kept by every path: when ``wait()`` returns, ``buffer`` equals what
 ``all_gather_into_tensor`` would have produced, bit for bit, and the sender's codec state
@@ -87,6 +100,12 @@ _TRANSITIONS = {
     Phase.IN_FLIGHT: {Phase.IDLE},
 }
 """The legal moves of :class:`Phase` (``tests/unit/test_gather_phases.py`` walks all of them)."""
+
+
+def _uses_streams(device: torch.device) -> bool:
+    """Whether gathers on ``device`` follow the stream policy (CUDA; the stream-policy tests make
+    it true on CPU under a recording fake of ``torch.cuda``)."""
+    return device.type == "cuda"
 
 
 @functools.cache
@@ -186,6 +205,8 @@ class CieraAllGather:
         self._plan: Plan | None = None  # AGREED / IN_FLIGHT: the plan being carried out
         self._last_plan: Plan | None = None  # the last fresh plan: what a replay repeats
         self._pending: GatherHandle | None = None  # IN_FLIGHT
+        self._proposing = None  # CUDA: the stream current at the last encode (the plan is written there)
+        self._released = None  # CUDA: an event after the last decode (the next encode and launch wait it)
         dev = buffer.device
         # Persistent buffers: the send payload at the codec's worst case (so it never overflows);
         # the receive buffer grows only at an agreement; rows/offsets of the other ranks' payloads.
@@ -366,6 +387,7 @@ class CieraAllGather:
             return _DoneHandle()
         try:
             launched = time.perf_counter()
+            self._order_launch()
             if plan.raw:
                 work = all_gather_into(self.buffer, self._shard, group=self.group, async_op=True)
             elif plan.sizes:
@@ -551,14 +573,20 @@ class CieraAllGather:
         device's side stream, returning its done event."""
         codec = self._codecs[mode]
         send = self._send[: codec.clamp_capacity(codec.max_bytes)]
-        if not self.buffer.is_cuda:
+        if not _uses_streams(self._send.device):
             token = self._encode_timer.start()
             codec.encode(shard=self._shard, state=self._state, out=send)
             self._needed.copy_(send[: HEADER_BYTES].view(torch.int64)[2])
             self._encode_timer.stop(token)
             return None
-        stream = side_stream(self.buffer.device)
-        stream.wait_stream(torch.cuda.current_stream(self.buffer.device))  # the optimizer wrote the shard
+        current = torch.cuda.current_stream(self._send.device)
+        if self._released is not None:  # the previous decode read the offsets and receive buffer
+            current.wait_event(self._released)
+        self._proposing = current
+        for t in (self._needed, self._offsets, self._rows, self._recv):  # the agreement reads and writes them
+            t.record_stream(current)
+        stream = side_stream(self._send.device)
+        stream.wait_stream(current)  # the optimizer wrote the shard; the previous gather is done
         with torch.cuda.stream(stream):
             token = self._encode_timer.start()
             codec.encode(shard=self._shard, state=self._state, out=send)
@@ -566,10 +594,37 @@ class CieraAllGather:
             self._encode_timer.stop(token)
             event = torch.cuda.Event()
             event.record(stream)
-        for t in (self._send, self._needed, self._state, self.buffer):  # alive until the stream is done
+        for t in (self._send, self._needed, self._state, self._shard):  # alive until the stream is done
             if t is not None:
                 t.record_stream(stream)
         return event
+
+    def _order_launch(self) -> None:
+        """Stream policy, send: the launch stream waits for the agreement's stream (the encode's
+        event, the plan's offsets) and for the previous decode; what the collective reads or
+        writes stays alive for it."""
+        if not _uses_streams(self._send.device):
+            return
+        current = torch.cuda.current_stream(self._send.device)
+        if self._released is not None:
+            current.wait_event(self._released)
+        if self._proposing is not None:
+            current.wait_stream(self._proposing)
+            self._proposing = None
+        for t in (self._send, self._recv, self.buffer):
+            t.record_stream(current)
+
+    def _order_release(self) -> None:
+        """Stream policy, decode: what the wait's stream read or wrote stays alive for it, and an
+        event after it orders the next encode and launch (no allocation: one event, re-recorded)."""
+        if not _uses_streams(self._send.device):
+            return
+        current = torch.cuda.current_stream(self._send.device)
+        for t in (self._recv, self._offsets, self._rows, self.buffer):
+            t.record_stream(current)
+        if self._released is None:
+            self._released = torch.cuda.Event()
+        self._released.record(current)
 
     def _refresh_state_for_raw(self) -> None:
         """A raw gather is agreed: afterwards receivers hold this shard exactly, so the codec
@@ -624,6 +679,7 @@ class CieraAllGather:
                 codec.decode_many(payloads=self._recv[: self._recv_bytes(plan)], rows=self._rows,
                                   offsets=self._offsets, targets=self._shards)
                 self._decode_timer.stop(token)
+            self._order_release()
             self._account(plan, wire=self._wire_bytes(plan))
             self._maybe_verify()
         except BaseException:
