@@ -142,6 +142,26 @@ def test_readme_is_a_front_page_linking_every_doc():
         assert f"docs/{page.name}" in text, f"README does not link docs/{page.name}"
 
 
+def _anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors of ``page``."""
+    return {re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+            for line in page.read_text().splitlines() if line.startswith("#")}
+
+
+def test_relative_links_and_anchors_resolve():
+    bad = []
+    for page in [*PAGES, ROOT / "BENCHMARKS.md"]:
+        prose = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose):
+            if target.startswith(("http://", "https://")):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists() or (anchor and dest.suffix == ".md" and anchor not in _anchors(dest)):
+                bad.append(f"{page.name}: {target}")
+    assert not bad, bad
+
+
 def test_flag_defaults_in_the_docs_are_the_help_ones():
     """docs/flags.md's defaults (`default `X``) are those --help prints, which quote CieraConfig."""
     from megatron.ciera import arguments
