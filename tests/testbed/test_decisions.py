@@ -1,7 +1,7 @@
 """The cost model's raw-vs-codec decision on this machine's measured inputs (pure function tests).
 
-Figures are the ones recorded in ``tools/testbed/results/`` (``bench_cluster.md``, ``link_probe_2x1_1gbit.json``; 2026-12-01 run with the
-native codecs): gloo's link as ``measure_link`` fitted it on the testbed (2 hosts x 1 rank) and on
+Figures are the ones recorded in ``tools/testbed/results/`` (``bench_cluster.md``,
+``link_probe_2x1_1gbit.json``; 2026-12-01 run with the native codecs): gloo's link as ``measure_link`` fitted it on the testbed (2 hosts x 1 rank) and on
 one host, and the codec speeds and wire ratios the gathers' own timers measured (bf16, lr 1e-4,
 an 8 MiB shard per rank). ``decide`` must keep raw where the link is a memcpy and compress where
 the testbed's link is slow, picking the codec the measured gathers found fastest.
