@@ -486,6 +486,18 @@ class CieraAllGather:
         """The codecs this gather may use (empty when it never compresses)."""
         return dict(self._codecs)
 
+    def device_bytes(self) -> dict[str, int]:
+        """Bytes this gather holds on its device beside the bucket, by use: ``send`` (the worst
+        case, allocated once), ``receive`` (grows only at an agreement), ``state`` (the sender's
+        codec state), ``index`` (rows, offsets, sizes); ``total``. Codec-owned scratch is not counted."""
+        def size(t) -> int:
+            return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+        out = {"send": size(self._send), "receive": size(self._recv), "state": size(self._state),
+               "index": size(self._rows) + size(self._offsets) + size(self._needed)}
+        out["total"] = sum(out.values())
+        return out
+
     # -- phase bookkeeping -------------------------------------------------------------------------
     def _move(self, to: Phase, what: str) -> None:
         if to not in _TRANSITIONS[self._phase]:

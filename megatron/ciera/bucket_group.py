@@ -45,7 +45,7 @@ from . import upstream_patch as upstream
 logger = logging.getLogger(__name__)
 
 __all__ = ["install", "uninstall", "invalidate_param_caches", "prepare_param_gathers", "finish_param_gathers",
-           "raise_pending_errors",
+           "raise_pending_errors", "device_bytes",
            "after_optimizer_step", "bucket_stats", "summary"]
 
 
@@ -290,6 +290,8 @@ def install(ddp_models: Iterable, config, optimizer_config=None, make_gather: Ca
             s.written = not binding.tracks_writes
         if not binding.tracks_writes:
             log("CIERA all-gather: the optimizer exposes no parameter buffers; every start_param_sync gathers")
+    if binding.groups and hasattr(binding.groups[0].gathers[0], "device_bytes"):
+        log(device_bytes_line(binding.groups))
     if fallbacks:
         parts = "; ".join(f"{reason}: {', '.join(names)}" for reason, names in fallbacks.items())
         log(f"CIERA all-gather: {sum(map(len, fallbacks.values()))} bucket group(s) keep Megatron's "
@@ -365,6 +367,33 @@ def prepare_param_gathers(ddp_models: Iterable) -> int:
             seen.append(s.process_group)
             n += s.binding.prepare(s.process_group)
     return n
+
+
+def device_bytes(ddp_models: Iterable) -> dict[str, int]:
+    """Device bytes per rank that CIERA adds beside the parameter buffers of its bucket groups, by
+    use (:meth:`ciera.CieraAllGather.device_bytes`: send, receive, state, index, total), and the
+    buffers' own bytes (``model``)."""
+    return _device_bytes(_installed(ddp_models))
+
+
+def _device_bytes(states) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for s in states:
+        for gather in s.gathers:
+            for k, v in gather.device_bytes().items():
+                out[k] = out.get(k, 0) + v
+    out["model"] = sum(d.numel() * d.element_size() for s in states for d in s.param_data)
+    return out
+
+
+def device_bytes_line(states) -> str:
+    """The start-up line: CIERA's device bytes per rank beside the model's parameter buffers."""
+    b = _device_bytes(states)
+    mib = 1 << 20
+    parts = ", ".join(f"{k} {b.get(k, 0) / mib:.2f} MiB" for k in ("send", "receive", "state", "index"))
+    return (f"CIERA device memory per rank: {b.get('total', 0) / mib:.2f} MiB ({b.get('total', 0)} bytes: {parts}) "
+            f"beside {b['model'] / mib:.2f} MiB of parameter buffers; receive buffers grow at agreements "
+            f"only, sender states at the first compressed gather")
 
 
 def bucket_stats(ddp_models: Iterable) -> list[tuple[str, object]]:

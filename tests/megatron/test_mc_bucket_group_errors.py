@@ -103,14 +103,49 @@ def _errors_worker(rank, world, phase):
 PHASES = ("prepare", "apply", "start", "wait")
 
 
+def _bytes_worker(rank, world, steps=10):
+    """CIERA's device bytes per rank after each step of a clean run, and the start-up line."""
+    group, lines = _group(world), []
+    ddp = fake_ddp(group)
+    binding.install([ddp], CONFIG, log=lines.append)
+    trajectories = [AdamTrajectory(numel=SHARD, dtype=torch.bfloat16, lr=1e-4, seed=10 * rank + i)
+                    for i in range(N_BUCKETS)]
+    per_step = []
+    for _ in range(steps):
+        for b, t in zip(group.buckets, trajectories):
+            b.param_data.view(world, -1)[rank].copy_(t.step())
+        group.start_param_sync()
+        per_step.append(binding.device_bytes([ddp]))
+    binding.uninstall([ddp])
+    return lines, per_step
+
+
 def _phases_worker(rank, world):
-    return {phase: _errors_worker(rank, world, phase) for phase in PHASES}  # one spawn for all
+    out = {phase: _errors_worker(rank, world, phase) for phase in PHASES}  # one spawn for all
+    out["bytes"] = _bytes_worker(rank, world)
+    return out
 
 
-def test_a_failure_in_any_phase_leaves_every_gather_idle_and_the_binding_usable():
+@pytest.fixture(scope="module")
+def two_ranks():
     from ciera.testing import run_on_ranks
 
-    results = run_on_ranks(_phases_worker, world=2, timeout_s=60)
+    return run_on_ranks(_phases_worker, world=2, timeout_s=60)
+
+
+def test_cieras_device_bytes_are_printed_at_install_and_do_not_grow_after_the_first_step(two_ranks):
+    for lines, per_step in (r["bytes"] for r in two_ranks):
+        assert any(line.startswith("CIERA device memory per rank: ") and "MiB of parameter buffers" in line
+                   for line in lines), lines
+        assert per_step[0]["receive"] == 0  # the warmup gather is raw: nothing received compressed
+        first = per_step[1]  # after the first compressed gather
+        assert first["model"] == N_BUCKETS * SHARD * 2 * 2  # bf16, two ranks' shards per bucket
+        assert first["send"] > 0 and first["receive"] > 0 and first["state"] > 0
+        assert all(b == first for b in per_step[2:]), [b["total"] for b in per_step]
+
+
+def test_a_failure_in_any_phase_leaves_every_gather_idle_and_the_binding_usable(two_ranks):
+    results = two_ranks
     for phase in PHASES:
         failing_ranks = [0] if phase == "wait" else [0, 1]
         for rank, by_phase in enumerate(results):
