@@ -165,6 +165,10 @@ def _keep_sent_output(out, deallocate_pipeline_outputs=False):
     lives as long as the output tensor itself: peak memory changes, no value does."""
     if out is None or not deallocate_pipeline_outputs:
         return
+    if isinstance(out, (list, tuple, dict)):  # megatron-core 0.19's schedules send lists and dicts too
+        for item in out.values() if isinstance(out, dict) else out:
+            _keep_sent_output(item, deallocate_pipeline_outputs)
+        return
     sent = out.data
     out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
     out._ciera_sent_storage = sent
