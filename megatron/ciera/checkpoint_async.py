@@ -41,6 +41,7 @@ import multiprocessing
 import multiprocessing.queues
 import os
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -214,11 +215,18 @@ def _ranks_with(*flags: bool) -> list[list[int]] | list[int]:
     return out[0] if len(flags) == 1 else out
 
 
+@dataclass(frozen=True)
 class _Pending:
-    """This rank's side of a scheduled save: its mark and its writer process."""
+    """This rank's side of a scheduled save."""
 
-    def __init__(self, *, iteration: int, mark: str, process, needed: int | None):
-        self.iteration, self.mark, self.process, self.needed = iteration, mark, process, needed
+    iteration: int
+    """The checkpoint's iteration."""
+    mark: str
+    """The file this rank's writer leaves when its write returned (:func:`mark_path`)."""
+    process: object
+    """The writer process forked for this save (``None``: the persistent worker, or none)."""
+    needed: int | None
+    """About how many bytes the checkpoint takes, all ranks together (named on a full disk)."""
 
     def settled(self) -> bool:
         """The write returned (the mark is there) or the writer ended without it."""

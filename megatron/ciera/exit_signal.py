@@ -6,8 +6,8 @@ boundary, after a checkpoint of that iteration.
 As upstream's ``DistributedSignalHandler``: the handler only records the signal; the loop asks
 every iteration, and the ranks agree (one small all-reduce), so that all of them save and stop at
 the same iteration. The processes a rank started keep running through the signal (torchrun sends
-it to the whole process group): forked ones inherit the recording handler, the spawned persistent
-checkpoint worker ignores it (:func:`ignore_in_worker`). The save has to finish within the
+it to the whole process group; a DataLoader worker would die of it): forked ones block it, the
+spawned persistent checkpoint worker ignores it (:func:`ignore_in_worker`). The save has to finish within the
 launcher's grace period (torchrun's ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, 30 s by default; SLURM's
 ``KillWait``, 30 s by default) before its SIGKILL.
 """
@@ -43,7 +43,12 @@ class ExitSignal:
         handler = cls(signum)
         signal.signal(handler.signum, handler._record)
         os.environ[_WORKER_IGNORES_ENV] = str(handler.signum)
+        os.register_at_fork(after_in_child=handler._shield_child)
         return handler
+
+    def _shield_child(self) -> None:
+        """In a forked child: the signal stays pending, never delivered (it ends with its parent)."""
+        signal.pthread_sigmask(signal.SIG_BLOCK, {self.signum})
 
     def _record(self, signum, frame) -> None:
         self.seen.set()

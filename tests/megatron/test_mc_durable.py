@@ -24,23 +24,31 @@ from test_mc_failfast import SAVE_MODES, TINY, Job, _kill_writer_mid_save  # noq
 
 pytestmark = pytest.mark.distributed
 
-REF_ITERS = 8  # the uninterrupted reference run's length (--exit-interval; --train-iters stays TINY's)
+REF_ITERS = 30  # the uninterrupted reference run's length (--exit-interval; --train-iters stays TINY's)
 
 
-@pytest.fixture(scope="module")
-def reference():
-    """The uninterrupted run: every iteration's loss and the params sha256 at REF_ITERS."""
-    result = run_pretrain([*TINY, "--exit-interval", str(REF_ITERS)], timeout=300)
+MEGATRON_FSDP = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--no-gradient-accumulation-fusion"]
+"""Megatron-FSDP (its fsdp_dtensor checkpoints are saved synchronously, as upstream)."""
+
+
+def _reference(engine: tuple = ()):
+    """The uninterrupted run: every iteration's loss to REF_ITERS."""
+    result = run_pretrain([*TINY, *engine, "--exit-interval", str(REF_ITERS)], timeout=300)
     assert result.returncode == 0, result.output[-3000:]
     return result
 
 
-def _resumes_bit_exactly(ckpt: Path, reference, *, iteration: int) -> None:
+@pytest.fixture(scope="module")
+def reference():
+    return _reference()
+
+
+def _resumes_bit_exactly(ckpt: Path, reference, *, iteration: int, engine=()) -> None:
     """The published checkpoint ``iteration`` loads and training from it repeats the reference run."""
     assert checkpointing.latest_iteration(str(ckpt)) == iteration
     until = iteration + 1
     assert until <= REF_ITERS
-    resumed = run_pretrain([*TINY, "--load", str(ckpt), "--exit-interval", str(until)], timeout=300)
+    resumed = run_pretrain([*TINY, *engine, "--load", str(ckpt), "--exit-interval", str(until)], timeout=300)
     assert resumed.returncode == 0, resumed.output[-3000:]
     assert f"loaded checkpoint {checkpointing.iteration_dir(str(ckpt), iteration)}" in resumed.output
     assert resumed.losses == {until: reference.losses[until]}
@@ -94,6 +102,29 @@ def test_sigterm_with_exit_signal_handler_saves_and_exits(tmp_path, reference, m
     assert f"exiting after SIGTERM at iteration {iteration}" in out, out[-3000:]
     assert "params sha256:" in out, out[-3000:]  # the ranks ended normally
     _resumes_bit_exactly(ckpt, reference, iteration=iteration)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["kill-rank", "sigterm"])
+def test_megatron_fsdp_crash_and_preemption_resume_bit_exactly(tmp_path, fault):
+    """Megatron-FSDP, a save every iteration: kill -9 of rank 0, or SIGTERM to the launcher with
+    --exit-signal-handler; the published checkpoint resumes bit-exactly."""
+    reference = _reference(tuple(MEGATRON_FSDP))
+    ckpt = tmp_path / "ckpt"
+    flags = [*TINY, *MEGATRON_FSDP, "--save", str(ckpt), "--num-workers", "0"]
+    if fault == "kill-rank":
+        job = Job([*flags, "--save-interval", "1"])
+        job.wait_for(f"checkpoint {ckpt} at iteration 3")
+        os.kill(job.pids[0], signal.SIGKILL)
+    else:
+        job = Job([*flags, "--save-interval", "1000", "--exit-signal-handler"],
+                  env=dict(torchrun_env(), TORCH_ELASTIC_SHUTDOWN_TIMEOUT="60"))
+        job.wait_for(" iteration        2/")
+        job.proc.send_signal(signal.SIGTERM)
+    job.end()
+    latest = checkpointing.latest_iteration(str(ckpt))
+    assert latest is not None and latest >= (3 if fault == "kill-rank" else 2), job.output[-3000:]
+    _resumes_bit_exactly(ckpt, reference, iteration=latest, engine=MEGATRON_FSDP)
 
 
 def _launcher_summary_start(lines: list[str]) -> int:
