@@ -75,13 +75,18 @@ def transformer_config(args):
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
         bias_activation_fusion=args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        inference_sampling_seed=args.seed,  # megatron-core >= 0.19 (absent fields are dropped)
     )
     if args.swiglu:
         kw.update(activation_func=F.silu, gated_linear_unit=True)
-    if args.squared_relu:  # exclusive with --swiglu (validate_args)
+    if args.squared_relu:  # exclusive with --swiglu (validate_args); wins over --quick-geglu, as upstream
         from megatron.core.activations import squared_relu
 
         kw.update(activation_func=squared_relu)
+    elif args.quick_geglu:  # exclusive with --swiglu (validate_args)
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        kw.update(activation_func=quick_gelu, gated_linear_unit=True)
     if isinstance(args.cp_comm_type, list) and len(args.cp_comm_type) == 1:
         kw["cp_comm_type"] = args.cp_comm_type[0]
     if args.rope_type is None:
