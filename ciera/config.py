@@ -10,8 +10,10 @@ import dataclasses
 import hashlib
 from dataclasses import dataclass
 
+from .memory import parse_budget
+
 CODECS = ("raw", "exponent_reuse", "delta", "delta_ans", "auto")
-CACHES = ("exponents", "values", "none")
+CACHES = ("auto", "values", "exponents", "none")
 SELECTIONS = ("auto", "always", "never")
 
 
@@ -65,13 +67,21 @@ class CieraConfig:
     predicted time of the other mode is better by this fraction (its first decision too: raw is
     the incumbent)."""
 
-    cache: str = "exponents"
+    cache: str = "auto"
     """ZeRO-3 only (:mod:`ciera.zero3`: FSDP2, Megatron-FSDP's ``optim_grads_params``), where the
     gathered buffer is freed after use: what each receiver keeps of the other ranks' shards between
-    gathers. ``exponents``: one byte per value (the exponent field; ``exponent_reuse`` only, sending
-    sign and mantissa every gather); ``values``: the gathered values themselves (any codec, ``delta``
-    included; a step's later gathers send nothing; costs the unsharded parameters' memory);
-    ``none``: nothing (every ZeRO-3 gather plain). Ignored by the persistent-buffer gather."""
+    gathers, per parameter of a unit (its unsharded size), plus a copy of its own shard (the shard's
+    bytes). ``values``: the gathered values themselves (2 bytes per bf16 parameter: the unsharded
+    parameters' memory; any codec, ``delta`` included; a step's later gathers send nothing);
+    ``exponents``: 1 byte per parameter (the exponent field; ``exponent_reuse`` only, sign and
+    mantissa sent at every gather); ``auto``: ``values`` for every unit that fits ``cache_budget``
+    (in first-gather order), ``exponents`` for the rest; ``none``: nothing (every ZeRO-3 gather
+    plain). Ignored by the persistent-buffer gather."""
+
+    cache_budget: str = "50%"
+    """With ``cache='auto'``: the bytes per rank the receiver caches may keep, as a share of the
+    memory free once the model and optimizer are built (``"50%"``; on CPU the host's available RAM
+    shared by its ranks) or a size (``"8GiB"``). See :mod:`ciera.memory`."""
 
     per_rank_sizes: bool = True
     """Compressed gathers send each rank's own payload size (16-aligned; an uneven all-gather) when
@@ -88,6 +98,10 @@ class CieraConfig:
             bad(f"codec={self.codec!r}; expected one of {CODECS}")
         if self.cache not in CACHES:
             bad(f"cache={self.cache!r}; expected one of {CACHES}")
+        try:
+            parse_budget(self.cache_budget)
+        except ValueError as e:
+            bad(str(e))
         if self.selection not in SELECTIONS:
             bad(f"selection={self.selection!r}; expected one of {SELECTIONS}")
         for name, lo, hi in (("block_size", 1, 4096), ("delta_block_size", 8, 4096)):

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from .config import CieraConfig
 from .selection import Measurements
 from .stats import GatherStats
+from .memory import Budget, measure_budget
 from .zero3 import Zero3Gather, Zero3Units
 
 try:
@@ -136,22 +137,31 @@ class Fsdp2Gathers:
 
 
 def enable(model: torch.nn.Module, *, config: CieraConfig | None = None, optimizer=None,
-           group=None) -> Fsdp2Gathers:
+           group=None, budget: Budget | None = None, stepped: bool | None = None) -> Fsdp2Gathers:
     """Install CIERA's gather on every FSDP2 unit of ``model`` (after ``fully_shard``, before the
     first forward). ``optimizer``: a ``torch.optim.Optimizer`` whose ``step()`` updates the units'
     parameters on every rank; each unit then encodes once per step. ``group``: the process group
-    FSDP2 shards over (default: taken from each call). Returns the installed gathers."""
+    FSDP2 shards over (default: taken from each call). ``budget``: with ``config.cache='auto'``, the
+    caches' budget (default: ``config.cache_budget`` measured now, a collective over ``group``).
+    ``stepped=True`` without ``optimizer``: the caller calls :meth:`Fsdp2Gathers.step` after every
+    optimizer step itself, once the parameters hold the step's values (a wrapper that copies them
+    in after the torch optimizer's ``step``, as Megatron's mixed-precision optimizer does). Returns
+    the installed gathers."""
     if FSDPModule is None:
         raise RuntimeError("ciera.fsdp2 needs torch's FSDP2 custom all-gather hook "
                            "(torch.distributed.fsdp.FSDPModule.set_custom_all_gather, torch >= 2.7)")
     config = CieraConfig() if config is None else config
     measurements = Measurements()  # one link / codec measurement for every unit of the group
-    units = Zero3Units()
+    if budget is None and config.cache == "auto":  # measured here, where every rank calls: the units share it
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        budget = measure_budget(spec=config.cache_budget, device=device, group=group)
+    units = Zero3Units(budget=budget)
     gathers: dict[str, Zero3Gather] = {}
     for name, module in model.named_modules():
         if isinstance(module, FSDPModule):
             gather = Zero3Gather(group=group, config=config, name=f"fsdp2:{name or 'root'}",
-                                 stepped=optimizer is not None, measurements=measurements,
+                                 stepped=optimizer is not None if stepped is None else stepped,
+                                 measurements=measurements,
                                  source=_copy_in_source(module), units=units)
             module.set_custom_all_gather(CieraFsdpAllGather(gather))
             gathers[name] = gather

@@ -359,7 +359,7 @@ class CieraAllGather:
             self._refresh_state_for_raw()
         elif mode != plan.codec_name:  # cannot happen: the plan is compressed only if every rank encoded it
             raise RuntimeError(f"{self.name}: agreed codec {plan.codec_name} but rank {self.rank} proposed {mode}")
-        if not plan.raw and not (plan.replay and self.persistent):
+        if not plan.raw and not plan.replay:  # (a replay's receive buffer and offsets are its plan's, set then)
             need = self._recv_bytes(plan)
             if self._recv.numel() < need:  # grows at agreements only, with 1/8 slack against regrowth
                 self._recv = torch.empty(align_up(need + need // 8), dtype=torch.uint8, device=self.buffer.device)

@@ -39,6 +39,7 @@ from .comm import all_gather_into
 from .config import CieraConfig
 from .cost_model import StepShape
 from .gather import CieraAllGather, Phase
+from .memory import Budget, choose_cache, measure_budget
 from .selection import Measurements
 from .stats import GatherStats
 
@@ -76,6 +77,8 @@ class Zero3Gather:
         if self.config.cache == "exponents" and self.config.codec in ("delta", "delta_ans"):
             raise ValueError(f"{name}: codec={self.config.codec!r} adds to the previous values, so it needs cache='values'; "
                              f"cache='exponents' keeps one byte per value, which only exponent_reuse decodes against")
+        self.cache: str | None = None if self.config.cache == "auto" else self.config.cache
+        """The receiver cache in use (``config.cache``; with ``auto`` chosen at the first gather)."""
         self.group, self.name, self.stepped = group, name, stepped
         self._measurements, self._source, self._units = measurements, source, units
         self._inner: CieraAllGather | None = None
@@ -95,7 +98,7 @@ class Zero3Gather:
     def allocate(self, *, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The output buffer of the next gather: with ``cache='values'`` the same persistent buffer
         every time (it is the cache); otherwise a new one the engine may free."""
-        if self.config.cache != "values" or dtype not in FORMATS:
+        if self.cache != "values" or dtype not in FORMATS:
             return torch.empty(numel, dtype=dtype, device=device)
         return self._persistent(numel=numel, dtype=dtype, device=device)
 
@@ -133,7 +136,9 @@ class Zero3Gather:
             return self._handle
         rank = dist.get_rank(group)
         n = input.numel()
-        buffer = output if self.config.cache != "values" else self._persistent(
+        if self.cache is None:
+            self._choose_cache(numel=output.numel(), world=world, dtype=output.dtype, device=output.device)
+        buffer = output if self.cache != "values" else self._persistent(
             numel=output.numel(), dtype=output.dtype, device=output.device)
         own = buffer.view(world, n)[rank]
         if own.data_ptr() != input.data_ptr():
@@ -153,7 +158,7 @@ class Zero3Gather:
             inner.replay(changed=_count_changed(own, self._sent))
             fresh = False
         plan = inner.plan
-        if self.config.cache == "exponents" and not plan.raw:
+        if self.cache == "exponents" and not plan.raw:
             if not self._exps_valid:  # _finish keeps the cache whenever the next plan may compress
                 raise RuntimeError(f"{self.name}: a compressed plan without the exponent cache (a bug)")
             self._seed(buffer)
@@ -173,14 +178,14 @@ class Zero3Gather:
         """After the inner gather's ``wait()``: the caches follow what receivers now hold."""
         if not replayed:  # receivers now hold this shard exactly
             self._sent.copy_(own)
-            if self.config.cache == "exponents":
+            if self.cache == "exponents":
                 # The cache is read only by compressed gathers: kept while the next one may be.
                 self._exps_valid = self._inner.may_compress()
                 if self._exps_valid:
                     store_exponents(buffer.view(self._exps.shape), self._exps)
         if buffer is not output:
             output.copy_(buffer)
-        if self.config.cache == "exponents":
+        if self.cache == "exponents":
             self._inner.release()  # the engine frees the gathered buffer: keep no reference to it
 
     def step(self) -> None:
@@ -188,7 +193,7 @@ class Zero3Gather:
         encodes. The step's gather count tells the cost model how often a fresh payload serves.
         (:meth:`Zero3Units.step` calls this for every unit, then prepares them together.)"""
         if self._inner is not None and self._inner.selector is not None and self.gathers_this_step:
-            exps = self.config.cache == "exponents"
+            exps = self.cache == "exponents"
             self._inner.selector.shape = StepShape(gathers=self.gathers_this_step, replays_send=exps,
                                                    cache_passes=2 if exps else 0)
         self._fresh = True
@@ -252,8 +257,22 @@ class Zero3Gather:
                              f"{self._values.dtype}: one Zero3Gather serves one parameter group")
         return self._values
 
+    def _choose_cache(self, *, numel: int, world: int, dtype: torch.dtype, device: torch.device) -> None:
+        """``cache='auto'``: ``values`` when this unit's values cache fits what is left of the budget
+        (its :class:`Zero3Units`', else one measured now over the unit's group), else ``exponents``.
+        Rank-identical: the budget is the smallest over the ranks, units choose in gather order."""
+        sizes = {c: cache_bytes_per_rank(numel=numel, world=world, dtype=dtype, cache=c) for c in ("values", "exponents")}
+        units = self._units if self._units is not None else Zero3Units()
+        if units.budget is None:
+            units.budget = measure_budget(spec=self.config.cache_budget, device=device, group=self.group)
+        self.cache = units.take(sizes)
+        if self.cache == "exponents" and self.config.codec in ("delta", "delta_ans"):
+            raise ValueError(f"{self.name}: codec={self.config.codec!r} needs cache='values' ({sizes['values']} bytes per "
+                             f"rank), over what is left of the cache budget {units.budget.describe()}: raise "
+                             f"--ciera-cache-budget or choose codec 'exponent_reuse' or 'auto'")
+
     def _build(self, buffer: torch.Tensor) -> CieraAllGather:
-        config = self.config
+        config = dataclasses.replace(self.config, cache=self.cache)
         persistent = config.cache == "values"
         if not persistent and config.codec == "auto":  # the exponent cache decodes exponent_reuse only
             config = dataclasses.replace(config, codec="exponent_reuse")
@@ -295,13 +314,28 @@ class Zero3Units:
     agreement per process group for all of them (:meth:`step`), so that every gather of the step,
     forward and backward, every micro-batch, launches its data collective with no host read and no
     other collective. Units register at their first gather (a collective, in the engine's gather
-    order: the same on every rank); those with a ``source`` are prepared ahead."""
+    order: the same on every rank); those with a ``source`` are prepared ahead. With
+    ``cache='auto'`` the units share ``budget`` (:func:`ciera.memory.measure_budget`; measured at
+    the first unit's first gather when not given)."""
 
-    def __init__(self):
+    def __init__(self, *, budget: Budget | None = None):
         self.units: list[Zero3Gather] = []
         """Registered units, in first-gather order."""
         self.agreements = 0
         """Agreements :meth:`step` ran (one per process group and step)."""
+        self.budget = budget
+        """The receiver caches' budget (``cache='auto'``)."""
+        self.chosen: dict[str, int] = {}
+        """``cache='auto'``: units per cache chosen so far."""
+        self._spent = 0
+
+    def take(self, sizes: dict[str, int]) -> str:
+        """A unit's cache under the budget: ``values`` while ``sizes['values']`` fits what is left,
+        else ``exponents``; its bytes are spent either way."""
+        cache = choose_cache(values_bytes=sizes["values"], left=self.budget.bytes - self._spent)
+        self._spent += sizes[cache]
+        self.chosen[cache] = self.chosen.get(cache, 0) + 1
+        return cache
 
     def register(self, unit: Zero3Gather) -> None:
         """Called by a unit at its first gather."""
@@ -389,5 +423,16 @@ def cache_bytes_per_rank(*, numel: int, world: int, dtype: torch.dtype, cache: s
     (padded to ``world``): the receiver cache plus the sender's copy of its shard."""
     shard = math.ceil(numel / world)
     item = float_format(dtype).itemsize
-    per_value = {"values": item, "exponents": 1, "none": 0}[cache]
+    per_value = {"values": item, "exponents": 1, "none": 0}[cache]  # (a concrete cache: see plan_caches for auto)
     return 0 if cache == "none" else world * shard * per_value + shard * item
+
+
+def plan_caches(units: list[tuple[int, int, torch.dtype]], *, cache: str, budget: Budget | None) -> list[str]:
+    """The cache each unit ``(numel, world, dtype)`` would get, in order: ``cache`` itself, or for
+    ``auto`` what :class:`Zero3Units` chooses under ``budget`` when the units gather in this order
+    (what a binding logs at start-up)."""
+    if cache != "auto":
+        return [cache] * len(units)
+    plan = Zero3Units(budget=budget)
+    return [plan.take({c: cache_bytes_per_rank(numel=n, world=w, dtype=d, cache=c) for c in ("values", "exponents")})
+            for n, w, d in units]

@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ciera.config import CACHES, CieraConfig
+
 
 class Block(torch.nn.Module):
     """Pre-norm MoE block: a router softly mixing ``experts`` two-layer FFNs (dense dispatch)."""
@@ -59,9 +61,10 @@ class TinyMoE(torch.nn.Module):
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ciera", action="store_true", help="gather with CIERA (default: FSDP2's own all-gather)")
-    p.add_argument("--cache", choices=["exponents", "values", "none"], default="exponents",
-                   help="what receivers keep between gathers (default exponents: 1 byte per value; "
-                        "values: the gathered values, lets delta in and makes a step's later gathers free)")
+    p.add_argument("--cache", choices=CACHES, default=CieraConfig.cache,
+                   help=f"what receivers keep between gathers (default {CieraConfig.cache}: values where they fit "
+                        "half the free memory; values: the gathered values, lets delta in and makes a step's later "
+                        "gathers free; exponents: 1 byte per value)")
     p.add_argument("--codec", choices=["auto", "exponent_reuse", "delta", "raw"], default="auto")
     p.add_argument("--selection", choices=["auto", "always", "never"], default="auto")
     p.add_argument("--steps", type=int, default=10, help="optimizer steps (default 10)")
@@ -101,7 +104,6 @@ def main(argv=None) -> int:
     gathers = None
     if a.ciera:
         import ciera.fsdp2
-        from ciera import CieraConfig
 
         gathers = ciera.fsdp2.enable(model, optimizer=opt,
                                      config=CieraConfig(codec=a.codec, selection=a.selection, cache=a.cache))

@@ -5,9 +5,9 @@ Megatron-LM's ``get_model`` does (every transformer layer and the embedding its 
 root last; ``--torch-fsdp2-no-reshard-after-forward`` keeps the gathered parameters for the
 backward). Every unit's parameters are gathered in its forward and, resharded after it, again in
 its backward. With ``--ciera-allgather`` :func:`install` puts :func:`ciera.fsdp2.enable` on every
-unit: each unit's shard is encoded once per optimizer step (a post-hook on the torch optimizer(s)
-inside Megatron's optimizer, so a step the wrapper skips, fp16 overflow, encodes nothing new) and
-the step's later gathers replay against the receiver cache (``--ciera-cache``).
+unit: right after each optimizer step (:func:`after_optimizer_step`, once Megatron's optimizer has
+copied its main parameters into the model's) every unit's shard is encoded with one agreement for
+all units, and the step's later gathers replay against the receiver cache (``--ciera-cache``).
 
 The functions after :func:`wrap` are the training loop's CIERA binding, with the same names and
 arguments as :mod:`megatron.ciera.bucket_group`'s (the distributed optimizer's): the loop picks one
@@ -26,7 +26,7 @@ import torch
 from . import sharded_binding as shared
 
 __all__ = ["check_args", "wrap", "install", "after_optimizer_step", "invalidate_param_caches", "bucket_stats",
-           "summary", "cache_bytes", "planned_cache_bytes"]
+           "summary", "cache_bytes", "planned_units"]
 
 # Upstream flags megatron.ciera.model.ddp_config maps onto DistributedDataParallelConfig fields of
 # another name (the fields themselves are read from the dataclass).
@@ -141,27 +141,6 @@ def _short(name: str) -> str:
     return name or "root"
 
 
-class _InnerSteps:
-    """The torch optimizers inside a Megatron optimizer (chained or not) as one hook target: their
-    ``step`` is what changes the parameters; Megatron's wrapper skips it on an fp16 overflow."""
-
-    def __init__(self, optimizer):
-        chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-        self.optimizers = [o.optimizer for o in chained if getattr(o, "optimizer", None) is not None]
-
-    def register_step_post_hook(self, hook):
-        return _Handles([o.register_step_post_hook(hook) for o in self.optimizers])
-
-
-@dataclasses.dataclass
-class _Handles:
-    handles: list
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
 def _unit_shard(unit, world: int) -> tuple[int, torch.dtype | None]:
     """(values, dtype) of one rank's all-gather input of ``unit``: FSDP2 pads every parameter's
     dim 0 to a multiple of the world and concatenates the shards of the parameters the unit itself
@@ -179,40 +158,39 @@ def _unit_shard(unit, world: int) -> tuple[int, torch.dtype | None]:
     return total, dtype
 
 
-def planned_cache_bytes(model, config) -> tuple[int, int]:
-    """(bytes :func:`install`'s gathers keep per rank between gathers, bytes of the sharded
-    parameters per rank), computed from the units' parameters before any gather."""
-    from ciera.zero3 import cache_bytes_per_rank
-
-    cache = sharded = 0
+def planned_units(model) -> tuple[list[tuple[int, int, torch.dtype]], int]:
+    """Every unit that gathers, as ``(numel gathered, world, dtype)`` in module order, and the bytes
+    of the sharded parameters per rank: from the units' parameters before any gather."""
+    units, sharded = [], 0
     for chunk in model:
         world = chunk.device_mesh.size()
         for _, unit in _units(chunk):
             n, dtype = _unit_shard(unit, world)
             if n:
                 sharded += n * dtype.itemsize
-                cache += cache_bytes_per_rank(numel=world * n, world=world, dtype=dtype, cache=config.cache)
-    return cache, sharded
+                units.append((world * n, world, dtype))
+    return units, sharded
 
 
 def install(model: list, config, optimizer_config=None, log: Callable[[str], None] | None = None,
             optimizer=None) -> int:
     """CIERA's gather on every FSDP2 unit of every wrapped chunk (before the first forward), the
-    shards encoded once per step of ``optimizer``'s inner torch optimizers. Returns the number of
-    units with parameters (those that gather). ``optimizer_config`` is unused (same signature as the distributed optimizer's binding)."""
+    shards encoded once per optimizer step (:func:`after_optimizer_step`). Returns the number of
+    units with parameters (those that gather). ``optimizer_config`` and ``optimizer`` are unused
+    (same signature as the distributed optimizer's binding)."""
     import ciera.fsdp2
 
-    steps = _InnerSteps(optimizer) if optimizer is not None else None
+    budget = shared.measure_budget(model, config)
     n = 0
     for chunk in model:
         if getattr(chunk, _ATTR, None) is not None:
             raise RuntimeError("CIERA already installed on this FSDP2 model")
-        gathers = ciera.fsdp2.enable(chunk.module, optimizer=steps, config=config, group=chunk.process_group)
+        gathers = ciera.fsdp2.enable(chunk.module, config=config, group=chunk.process_group, budget=budget,
+                                     stepped=True)
         setattr(chunk, _ATTR, gathers)
         n += sum(1 for _, unit in _units(chunk) if _unit_shard(unit, chunk.device_mesh.size())[0])
-    if log is not None:
-        planned, sharded = planned_cache_bytes(model, config)
-        shared.log_planned_cache(log, cache=config.cache, planned=planned, sharded=sharded)
+    units, sharded = planned_units(model)
+    shared.log_planned_cache(log, config=config, units=units, sharded=sharded, budget=budget)
     return n
 
 
@@ -221,7 +199,11 @@ def _gathers(model) -> list:
 
 
 def after_optimizer_step(model, *, overlap_param_gather: bool = False) -> None:
-    """Nothing: the optimizer's own step hook marks the shards changed."""
+    """The step wrote every unit's shard (Megatron's optimizer has copied its main parameters into
+    the model's; a step it skipped leaves them as they were, encoded again unchanged): every unit is
+    encoded now, one agreement for all of them."""
+    for g in _gathers(model):
+        g.step()
 
 
 def raise_pending_errors(model) -> None:

@@ -31,7 +31,7 @@ import torch
 from . import sharded_binding as shared
 
 __all__ = ["check_args", "wrap", "sync_params", "full_tensor", "install", "after_optimizer_step", "invalidate_param_caches",
-           "bucket_stats", "summary", "cache_bytes", "planned_cache_bytes"]
+           "bucket_stats", "summary", "cache_bytes", "planned_units"]
 
 _ATTR = "_ciera_megatron_fsdp_gathers"  # the _Gathers of a wrapped chunk
 
@@ -122,12 +122,12 @@ class _Gathers:
     """CIERA's gathers of one wrapped chunk, one per bucket, each built at the bucket's first gather
     (a collective: every rank gathers the buckets in the same order)."""
 
-    def __init__(self, *, config, prefix: str):
+    def __init__(self, *, config, prefix: str, budget=None):
         self.config, self.prefix = config, prefix
         self.gathers: dict[int, object] = {}  # bucket id -> CieraAllGather | Zero3Gather
         from ciera.zero3 import Zero3Units
 
-        self.units = Zero3Units()  # the ZeRO-3 buckets, prepared together after each step
+        self.units = Zero3Units(budget=budget)  # the ZeRO-3 buckets, prepared together after each step
         self.encodes: dict[int, int] = {}  # bucket id -> fresh (encoding) gathers of a persistent bucket
         self._measurements: dict = {}  # process group -> ciera.selection.Measurements
 
@@ -193,13 +193,13 @@ def _fsdp(chunk):
     return chunk.module
 
 
-def planned_cache_bytes(model, config) -> tuple[int, int]:
-    """(bytes the ZeRO-3 buckets' gathers keep per rank between gathers, bytes of the sharded
-    model weights per rank), from the buffers before any gather."""
+def planned_units(model) -> tuple[list[tuple[int, int, torch.dtype]], int]:
+    """Every ZeRO-3 bucket that gathers through CIERA, as ``(numel gathered, world, dtype)`` in
+    bucket order, and the bytes of the sharded model weights per rank: from the buffers before any
+    gather."""
     import torch.distributed as dist
-    from ciera.zero3 import cache_bytes_per_rank
 
-    cache = sharded = 0
+    units, sharded = [], 0
     for chunk in model:
         for group in _fsdp(chunk).param_and_grad_buffer.parameter_groups:
             wbuf = group.model_weight_buffer
@@ -209,9 +209,8 @@ def planned_cache_bytes(model, config) -> tuple[int, int]:
             world = dist.get_world_size(wbuf.data_parallel_group)
             sharded += shard.numel() * shard.element_size()
             if shard.dtype in _GATHER_DTYPES:
-                cache += cache_bytes_per_rank(numel=world * shard.numel(), world=world, dtype=shard.dtype,
-                                              cache=config.cache)
-    return cache, sharded
+                units.append((world * shard.numel(), world, shard.dtype))
+    return units, sharded
 
 
 def install(model: list, config, optimizer_config=None, log: Callable[[str], None] | None = None,
@@ -221,19 +220,19 @@ def install(model: list, config, optimizer_config=None, log: Callable[[str], Non
     learned from the model's own buffer)."""
     from .upstream_patch import megatron_fsdp as patch
 
+    budget = shared.measure_budget(model, config)
     n = 0
     for i, chunk in enumerate(model):
         fsdp = _fsdp(chunk)
         if getattr(chunk, _ATTR, None) is not None:
             raise RuntimeError("CIERA already installed on this Megatron-FSDP model")
-        gathers = _Gathers(config=config, prefix="" if len(model) == 1 else f"chunk{i}.")
+        gathers = _Gathers(config=config, prefix="" if len(model) == 1 else f"chunk{i}.", budget=budget)
         patch.attach(fsdp.all_gather_pipeline, gathers)
         patch.on_shard_written(fsdp.param_and_grad_buffer, gathers.step)
         setattr(chunk, _ATTR, gathers)
         n += fsdp.all_gather_pipeline.num_buckets
-    if log is not None:
-        planned, sharded = planned_cache_bytes(model, config)
-        shared.log_planned_cache(log, cache=config.cache, planned=planned, sharded=sharded)
+    units, sharded = planned_units(model)
+    shared.log_planned_cache(log, config=config, units=units, sharded=sharded, budget=budget)
     return n
 
 

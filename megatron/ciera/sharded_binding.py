@@ -33,11 +33,34 @@ def mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.2f} MiB ({nbytes} bytes)"
 
 
-def log_planned_cache(log: Callable[[str], None] | None, *, cache: str, planned: int, sharded: int) -> None:
-    """The start-up line: the cache's bytes per rank beside the sharded parameters'."""
-    if log is not None and sharded:
-        log(f"CIERA ZeRO-3 cache ({cache}): {mib(planned)} per rank kept between gathers "
-            f"(the sharded parameters: {mib(sharded)} per rank)")
+def measure_budget(model, config):
+    """With ``--ciera-cache auto``: the caches' budget, measured once at install (a collective over
+    the world: every rank installs); ``None`` otherwise."""
+    if config.cache != "auto":
+        return None
+    import torch
+    from ciera.memory import measure_budget as measure
+
+    device = next((p.device for chunk in model for p in chunk.parameters()), torch.device("cpu"))
+    return measure(spec=config.cache_budget, device=device)
+
+
+def log_planned_cache(log: Callable[[str], None] | None, *, config, units: list, sharded: int, budget) -> None:
+    """The start-up line: the cache each ZeRO-3 unit ``(numel, world, dtype)`` gets (``auto``: under
+    ``budget``, in this order), its bytes per rank, beside the sharded parameters'."""
+    if log is None or not sharded:
+        return
+    from ciera.zero3 import cache_bytes_per_rank, plan_caches
+
+    caches = plan_caches(units, cache=config.cache, budget=budget)
+    planned = sum(cache_bytes_per_rank(numel=n, world=w, dtype=d, cache=c) for (n, w, d), c in zip(units, caches))
+    kinds = sorted(set(caches), key=caches.index)
+    name = "+".join(kinds)
+    if len(kinds) > 1:
+        name += " (" + ", ".join(f"{caches.count(k)} units {k}" for k in kinds) + ")"
+    why = f"; auto, within a budget of {budget.describe()}" if budget is not None else ""
+    log(f"CIERA ZeRO-3 cache ({name}): {mib(planned)} per rank kept between gathers "
+        f"(the sharded parameters: {mib(sharded)} per rank{why})")
 
 
 def summary(stats: list, *, encodes_title: str, encodes: str, measured_cache: int) -> str:

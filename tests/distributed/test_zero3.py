@@ -286,3 +286,167 @@ def test_zero3_first_gather_after_invalidate_is_raw_and_exact():
     for raws in run_on_ranks(_load_worker, world=2, args=()):
         assert raws[0] == 1, raws  # the first gather after the load
         assert raws[-1] == raws[-3], raws  # the last step's gathers compressed again
+
+
+# -- one agreement per step, no host read in a step's gathers, FSDP2's order untouched -----------------
+class _Recorder:
+    """Counts the agreements (``ciera.gather.exchange``) and host reads (``.item()``/``int()``, and
+    ``.cpu()``/``.tolist()``/``.numpy()``) made while a gather's ``start()`` or ``wait()`` runs."""
+
+    def __init__(self):
+        self.agreements = 0
+        self.host_reads = []
+        self.watching = 0
+
+
+def _watch_ciera(rec: _Recorder):
+    """Patch the gathers' entry points to count what they do (the caller undoes nothing: the worker
+    process ends)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import ciera.gather
+    import ciera.zero3
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                rec.host_reads.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    exchange = ciera.gather.exchange
+
+    def counting_exchange(*a, **k):
+        rec.agreements += 1
+        return exchange(*a, **k)
+
+    ciera.gather.exchange = counting_exchange
+    for name in ("cpu", "tolist", "numpy"):
+        original = getattr(torch.Tensor, name)
+
+        def method(self, *a, _o=original, _n=name, **k):
+            if rec.watching:
+                import traceback
+                where = [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}" for f in traceback.extract_stack()[-6:-1]]
+                rec.host_reads.append(f"Tensor.{_n} at {where}")  # (where: to find it)
+            return _o(self, *a, **k)
+        setattr(torch.Tensor, name, method)
+
+    def watched(fn):
+        def call(*a, **k):
+            rec.watching += 1
+            try:
+                with Mode():
+                    return fn(*a, **k)
+            finally:
+                rec.watching -= 1
+        return call
+
+    ciera.zero3.Zero3Gather.start = watched(ciera.zero3.Zero3Gather.start)
+    ciera.zero3.Zero3Handle.wait = watched(ciera.zero3.Zero3Handle.wait)
+    # The codec implementations behind decode_many's dispatch are outside the watch, as in
+    # test_host_reads.py (the CPU codecs read host memory by design; the Triton ones have their own test).
+    from ciera.codecs import Codec
+
+    impl = Codec._decode_many_impl
+
+    def boundary(self, t):
+        fn = impl(self, t)
+
+        def call(**kw):
+            saved, rec.watching = rec.watching, 0
+            try:
+                with torch.utils._python_dispatch._disable_current_modes():
+                    return fn(**kw)
+            finally:
+                rec.watching = saved
+        return call
+
+    Codec._decode_many_impl = boundary
+
+
+def _recording(comm, name, events):
+    """FSDP2's custom all-gather ``comm`` (``None``: the plain gather), recording FSDP2's calls."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+
+    class Recording(AllGather):
+        def allocate(self, size, *, dtype, device):
+            if comm is not None:
+                return comm.allocate(size, dtype=dtype, device=device)
+            return torch.empty(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            events.append(("start", name))
+            if comm is not None:
+                work = comm(output_tensor, input_tensor, group, async_op=async_op)
+            else:
+                work = dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+            if work is None:
+                return None
+
+            class Work(dist.Work):
+                def wait(self, timeout=None):
+                    events.append(("wait", name))
+                    return work.wait()
+
+                def is_completed(self):
+                    return work.is_completed()
+
+            return Work()
+
+    return Recording()
+
+
+def _steps_worker(rank, world, use_ciera, cache, micro_batches, steps):
+    """FSDP2 with CIERA: per optimizer step, the agreements made and the host reads inside the
+    gathers; and the order in which FSDP2 starts and waits its units' gathers."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import ciera.fsdp2
+
+    torch.manual_seed(0)
+    model = _TinyMoE(blocks=3)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for b in model.blocks:
+        fully_shard(b, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    events, rec = [], _Recorder()
+    units = {n: m for n, m in model.named_modules() if hasattr(m, "set_custom_all_gather")}
+    if use_ciera:
+        _watch_ciera(rec)
+        ciera.fsdp2.enable(model, optimizer=opt, config=CieraConfig(codec="exponent_reuse", selection="always",
+                                                                   cache=cache))
+    for name, m in units.items():  # record FSDP2's calls around the comm (CIERA's, or the plain gather)
+        comm = m._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm if use_ciera else None
+        m.set_custom_all_gather(_recording(comm, name or "root", events))
+    gen = torch.Generator().manual_seed(100 + rank)
+    per_step, reads, orders = [], [], []
+    for _ in range(steps):
+        a0, r0, e0 = rec.agreements, len(rec.host_reads), len(events)
+        for _ in range(micro_batches):
+            tokens = torch.randint(0, 64, (4, 16), generator=gen)
+            logits = model(tokens[:, :-1])
+            torch.nn.functional.cross_entropy(logits.float().reshape(-1, 64), tokens[:, 1:].reshape(-1)).backward()
+        reads.append(rec.host_reads[r0:])
+        opt.step()  # CIERA: the units are encoded here, one agreement for all of them
+        opt.zero_grad()
+        per_step.append(rec.agreements - a0)
+        orders.append(events[e0:])
+    return per_step, reads, orders
+
+
+@pytest.mark.parametrize("micro_batches", [pytest.param(1, marks=pytest.mark.slow), 2])
+def test_fsdp2_one_agreement_per_step_and_no_host_read_in_its_gathers(micro_batches):
+    """Whatever the number of units (4 here) and micro-batches: after the first step, ONE agreement
+    per step (at the optimizer step) and no host read in any gather; FSDP2 starts and waits its
+    gathers in the same order as with a plain comm (its prefetch is untouched)."""
+    steps = 4
+    plain = run_on_ranks(_steps_worker, world=2, args=(False, "values", micro_batches, steps))
+    for cache in ("values", "exponents"):
+        for (per_step, reads, orders), (_, _, plain_orders) in zip(
+                run_on_ranks(_steps_worker, world=2, args=(True, cache, micro_batches, steps)), plain):
+            assert per_step[1:] == [1] * (steps - 1), (cache, per_step)
+            assert per_step[0] == 4 + 1, per_step  # the first forward: each unit's own, then the step's
+            assert all(not r for r in reads[1:]), (cache, reads)
+            assert orders == plain_orders, cache
+            assert orders[-1].count(("start", "blocks.0")) == 2 * micro_batches  # forward and backward

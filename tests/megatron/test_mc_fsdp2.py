@@ -55,7 +55,7 @@ def encodes(result) -> dict:
 
 def cache_bytes(result) -> tuple[int, int]:
     """(bytes printed at start-up, computed from the units; bytes measured at the end)."""
-    planned = re.search(r"^CIERA ZeRO-3 cache \(\w+\): [\d.]+ MiB \((\d+) bytes\) per rank", result.output, re.M)
+    planned = re.search(r"^CIERA ZeRO-3 cache \([\w+]+\): [\d.]+ MiB \((\d+) bytes\) per rank", result.output, re.M)
     measured = re.search(r"^CIERA ZeRO-3 cache: [\d.]+ MiB \((\d+) bytes\) per rank .* \(measured\)$",
                          result.output, re.M)
     return int(planned.group(1)), int(measured.group(1))
@@ -154,7 +154,9 @@ def test_fsdp2_flags_map_onto_the_ciera_config():
     args = parse(["--ciera-allgather", "--ciera-cache", "values", "--ciera-codec", "delta"])
     config = arguments.ciera_config_from_args(args)
     assert (config.cache, config.codec) == ("values", "delta")
-    assert arguments.ciera_config_from_args(parse(["--ciera-allgather"])).cache == "exponents"  # the library's
+    default = arguments.ciera_config_from_args(parse(["--ciera-allgather"]))
+    assert (default.cache, default.cache_budget) == ("auto", "50%")  # the library's
+    assert arguments.ciera_config_from_args(parse(["--ciera-allgather", "--ciera-cache-budget", "2GiB"])).cache_budget == "2GiB"
     assert "--no-gradient-accumulation-fusion" not in args.cpu_ignored  # off is what runs on CPU
 
 
@@ -166,7 +168,8 @@ def test_fsdp2_flags_map_onto_the_ciera_config():
     (["--overlap-grad-reduce"], "--overlap-grad-reduce: only Megatron's DDP wrapper reads it"),
     (["--ddp-bucket-size", "1000"], "--ddp-bucket-size: only Megatron's DDP wrapper reads it"),
     (["--save", "/tmp/x"], "--save with --use-torch-fsdp2: not supported yet"),
-    (["--ciera-allgather", "--ciera-codec", "delta"], "codec='delta' adds to the previous values, so it needs cache='values'"),
+    (["--ciera-allgather", "--ciera-cache", "exponents", "--ciera-codec", "delta"],
+     "codec='delta' adds to the previous values, so it needs cache='values'"),
 ])
 def test_fsdp2_errors_name_the_flags(extra, needle):
     with pytest.raises(ValueError) as info:
@@ -183,34 +186,22 @@ def test_fsdp2_needs_upstreams_flags(dropped, needle):
         parse([], base=[a for a in ARGS if a != dropped])
 
 
-def test_the_encode_hook_sits_on_the_inner_torch_optimizers():
-    """Megatron's optimizer skips the inner step on an fp16 overflow: the hook that marks the
-    shards changed is on the inner torch optimizers (every one of a chained optimizer), so a
-    skipped step marks nothing."""
-    import torch
-
+def test_units_are_encoded_after_megatrons_whole_optimizer_step():
+    """Megatron's mixed-precision optimizer copies its main parameters into the model's after the
+    inner torch step: the units are staged and encoded by the training loop's
+    ``after_optimizer_step`` (every chunk's gathers stepped once), not by a hook on the inner step,
+    which would encode the previous values (and stop training at the next step's check)."""
     from megatron.ciera import fsdp2
 
-    class Wrapper:  # Megatron's optimizer: steps its torch optimizer unless the gradients overflowed
-        def __init__(self):
-            self.optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1)
-            self.overflow = False
+    class Gathers:
+        steps = 0
 
         def step(self):
-            if not self.overflow:
-                self.optimizer.step()
+            self.steps += 1
 
-    dense, expert = Wrapper(), Wrapper()
-    fired = []
-    handle = fsdp2._InnerSteps(type("Chained", (), {"chained_optimizers": [dense, expert]})()).register_step_post_hook(
-        lambda *_: fired.append(1))
-    dense.step(), expert.step()
-    assert len(fired) == 2
-    dense.overflow = expert.overflow = True
-    dense.step(), expert.step()
-    assert len(fired) == 2, "a skipped step must not mark the shards changed"
-    handle.remove()
-    dense.overflow = False
-    dense.step()
-    assert len(fired) == 2
-    assert fsdp2._InnerSteps(dense).optimizers == [dense.optimizer]  # not chained
+    chunks = [type("Chunk", (), {})() for _ in range(2)]
+    for c in chunks:
+        setattr(c, fsdp2._ATTR, Gathers())
+    fsdp2.after_optimizer_step(chunks)
+    fsdp2.after_optimizer_step(chunks)
+    assert [getattr(c, fsdp2._ATTR).steps for c in chunks] == [2, 2]
