@@ -11,23 +11,41 @@
 #               build/gpu_wheels when present, see `wheels`) on the same
 #               shards, on the raw values and on the XOR with the previous values: ratio and GB/s
 #   report      the static kernel report, to set the measured figures beside the static ceilings
+#   gloo_one_gpu  2 and 4 gloo ranks on the one GPU with CUDA tensors (NCCL cannot put two ranks on
+#               one device; gloo can): the CIERA gather on its side streams with the Triton codecs,
+#               ZeRO-1 buckets over hundreds of steps of a real trajectory and ZeRO-3 units through
+#               FSDP2, bit-exact against the plain gather (tools/gloo_one_gpu.py; --device cpu runs
+#               the same code on CPU, as the default test suite does)
+#   pretrain_gloo pretrain_gpt.py on 2 gloo ranks on the one GPU, ZeRO-1 and FSDP2, with and
+#               without --ciera-allgather: losses and params sha256 identical
 #
-# Multi-GPU gather and training benchmarks need >= 2 GPUs (NCCL cannot put two ranks on one device).
-# Run one section: `bash tools/gpu_check.sh nvcomp`. Sections share a BUDGET (default 450 s).
+# Multi-GPU NCCL benchmarks need >= 2 GPUs. Run one section: `bash tools/gpu_check.sh nvcomp`.
+# Sections share a BUDGET (default 450 s; a section past it is skipped and reported).
+# `bash tools/gpu_check.sh --dry-run [SECTION...]` prints every section's commands and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 OUT=${OUT:-/tmp/ciera_gpu}
 NUMEL=${NUMEL:-67108864}
-mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_DEFAULT_FP_FUSION=1
 STATUS=0
+DRY_RUN=0
+if [ "${1:-}" = "--dry-run" ]; then
+    DRY_RUN=1
+    shift
+fi
+[ "$DRY_RUN" = 1 ] || mkdir -p "$OUT"
 BUDGET=${BUDGET:-450}  # seconds for the whole check (under 8 minutes with start-up); a section gets at most what is left
 
 section() {  # section NAME SECONDS: run the function NAME under a timeout (at most what is left of
              # BUDGET), note failures, go on: a section failing or timing out loses no other's figures
     local name=$1 limit=$2 t0=$SECONDS left
+    if [ "$DRY_RUN" = 1 ]; then  # the commands, not run
+        echo "== $name (limit ${limit}s)"
+        declare -f "$name" | tail -n +3 | sed '$d'
+        return
+    fi
     left=$((BUDGET - SECONDS))
     if [ "$left" -lt 10 ]; then
         echo "!! section $name skipped: the ${BUDGET}s budget is spent" | tee -a "$OUT/failures.txt"
@@ -210,6 +228,20 @@ decode_many() {  # the gather's batched decode: decode_many over world-1 payload
     done
 }
 
+gloo_one_gpu() {  # several gloo ranks on the one GPU: the CIERA gather's CUDA branch, bit-exact
+    local rc=0
+    $PY tools/gloo_one_gpu.py --device cuda --world 2 --steps "${GLOO_STEPS:-300}" --fsdp2-steps 20 \
+        --out-md "$OUT/gloo_one_gpu_w2.md" || rc=1
+    $PY tools/gloo_one_gpu.py --device cuda --world 4 --steps "${GLOO_STEPS_W4:-100}" --fsdp2-steps 10 \
+        --codecs exponent_reuse --out-md "$OUT/gloo_one_gpu_w4.md" || rc=1
+    return $rc
+}
+
+pretrain_gloo() {  # pretrain_gpt.py, ZeRO-1 and FSDP2, on 2 gloo ranks on the one GPU, +-CIERA
+    $PY tools/gloo_one_gpu.py --device cuda --world 2 --parts pretrain --pretrain-iters 10 \
+        --codecs exponent_reuse --out-md "$OUT/pretrain_gloo.md"
+}
+
 # --- Megatron GPU code paths: one short pretrain_gpt.py run on the default GPU path ---
 # transformer-engine spec (upstream's default --transformer-impl when TE is installed), grouped GEMM
 # experts, the alltoall dispatcher, upstream's default fusions, with and without --ciera-allgather:
@@ -242,12 +274,14 @@ megatron_gpu_paths() {
 if [ $# -gt 0 ]; then
     for s in "$@"; do section "$s" 420; done
 else
-    section env_info 20
-    section kernels 100
-    section throughput 80
-    section nvcomp 60
-    section decode_many 40
-    section report 40
-    section megatron_gpu_paths 100
+    section env_info 15
+    section gloo_one_gpu 110
+    section pretrain_gloo 70
+    section kernels 70
+    section throughput 50
+    section nvcomp 35
+    section decode_many 25
+    section report 25
+    section megatron_gpu_paths 50
 fi
 exit $STATUS

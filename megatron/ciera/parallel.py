@@ -56,7 +56,8 @@ def initialize(args) -> None:
     else:
         if args.deterministic_mode:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS call
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # Modulo the device count: several gloo ranks may share one GPU (tools/gpu_check.sh pretrain_gloo).
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     if args.deterministic_mode:
         torch.use_deterministic_algorithms(True)
     timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
