@@ -47,7 +47,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megatron.ciera import failfast
+from megatron.ciera import exit_signal, failfast
 from megatron.ciera.checkpoint_publish import INCOMPLETE, iteration_dir, print0
 
 __all__ = ["WRITER_DONE", "check_args", "async_queue", "AsyncSaves", "mark_path", "save_kwargs"]
@@ -142,10 +142,9 @@ def _worker_loop(*loop_args):
     loop selects a CUDA device first)."""
     from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
 
-    from megatron.ciera import cpu_compat, exit_signal, failfast
+    from megatron.ciera import cpu_compat, failfast
 
     failfast.name_process("ckpt-writer")  # the watchdog's name for it, should it be killed
-    exit_signal.ignore_in_worker()  # the rank's final save at its exit signal still has this writer
     with cpu_compat.enabled(not torch.cuda.is_available()):
         PersistentAsyncCaller.async_loop(*loop_args)
 
@@ -176,7 +175,8 @@ def _start_worker(queue, *, cpu_priority: int, io_priority: int | None) -> None:
         process = ctx.Process(target=_worker_loop, args=(dist.get_rank(), caller.queue, watched, caller.comp_q, level))
         caller.process = process
     watched.worker = process
-    process.start()
+    with exit_signal.shielded():  # the rank's final save at its exit signal still has this writer
+        process.start()
 
 
 def mark_path(partial: str, rank: int) -> str:

@@ -6,14 +6,15 @@ boundary, after a checkpoint of that iteration.
 As upstream's ``DistributedSignalHandler``: the handler only records the signal; the loop asks
 every iteration, and the ranks agree (one small all-reduce), so that all of them save and stop at
 the same iteration. The processes a rank started keep running through the signal (torchrun sends
-it to the whole process group; a DataLoader worker would die of it): forked ones block it, the
-spawned persistent checkpoint worker ignores it (:func:`ignore_in_worker`). The save has to finish within the
+it to the whole process group; a DataLoader worker would die of it): forked ones block it, and so
+does the spawned persistent checkpoint worker (:func:`shielded`). The save has to finish within the
 launcher's grace period (torchrun's ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, 30 s by default; SLURM's
 ``KillWait``, 30 s by default) before its SIGKILL.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -21,9 +22,9 @@ import threading
 import torch
 import torch.distributed as dist
 
-__all__ = ["ExitSignal", "ignore_in_worker"]
+__all__ = ["ExitSignal", "shielded"]
 
-_WORKER_IGNORES_ENV = "CIERA_EXIT_SIGNAL"  # the signal number, for processes spawned by a rank
+_WORKER_IGNORES_ENV = "CIERA_EXIT_SIGNAL"  # the signal number, while a handler is installed (shielded)
 
 
 class ExitSignal:
@@ -61,10 +62,19 @@ class ExitSignal:
         return bool(flag.item())
 
 
-def ignore_in_worker() -> None:
-    """In a process a rank spawned (the persistent checkpoint worker): ignore the rank's exit
-    signal, so that the rank's final save still has its writer (the worker ends when the rank
-    closes it, or with the rank's process group)."""
+@contextlib.contextmanager
+def shielded():
+    """Processes started inside the block, by fork + exec too (the spawned persistent checkpoint
+    worker), never receive the rank's exit signal: it is blocked while they start, a mask they keep
+    (the rank's final save at its exit signal still has its writer; the worker ends when the rank
+    closes it, or with the rank's process group). A signal the rank receives meanwhile waits and is
+    recorded after the block. A no-op without ``--exit-signal-handler``."""
     signum = os.environ.get(_WORKER_IGNORES_ENV, "")
-    if signum.isdigit():
-        signal.signal(int(signum), signal.SIG_IGN)
+    if not signum.isdigit():
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {int(signum)})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {int(signum)})

@@ -108,6 +108,8 @@ def _start_sentinel() -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
         return
     try:  # the sentinel: holds no file open, waits for its parent's death, then ends the group
+        # (not ended by the launcher's SIGTERM to the group, which a rank may outlive: --exit-signal-handler)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _libc().prctl(_PR_SET_PDEATHSIG, int(signal.SIGUSR1), 0, 0, 0)
         os.closerange(0, 65536)
         if os.getppid() == parent:

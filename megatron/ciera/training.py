@@ -276,13 +276,14 @@ class _Run:
         self.skipped = self.nan_iters = 0
         self.logged_stats = []  # CIERA counters at the last log line
         self.flops_per_iteration = logging_utils.flops_per_iteration(args)
+        # --exit-signal-handler: installed before the persistent checkpoint worker starts (it blocks the signal)
+        self.exit_signal = (exit_signal.ExitSignal.install(signum=args.exit_signal)
+                            if getattr(args, "exit_signal_handler", False) else None)
         self.async_saves = checkpointing.async_queue(args)  # --async-save (None without)
         self.faults = failfast.FaultPlan.from_env()  # CIERA_FAULT_INJECT (tests); None normally
         if self.faults is not None:
             self.faults.warn_if_unreachable(rank=dist.get_rank(), world_size=dist.get_world_size(), args=args)
         self.watchdog = watchdog  # told what the loop is doing (its report of a dead child says it)
-        self.exit_signal = (exit_signal.ExitSignal.install(signum=args.exit_signal)
-                            if getattr(args, "exit_signal_handler", False) else None)
         self.saved_at = None  # the iteration of the last checkpoint saved (or started) by this run
         self.profiler = profiling.StepProfiler.from_args(args, rank=dist.get_rank())  # --profile (None without)
         self.batches = batch_schedule.BatchSchedule.from_args(args)  # the global batch of each iteration

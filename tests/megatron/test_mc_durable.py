@@ -27,7 +27,8 @@ pytestmark = pytest.mark.distributed
 REF_ITERS = 30  # the uninterrupted reference run's length (--exit-interval; --train-iters stays TINY's)
 
 
-MEGATRON_FSDP = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--no-gradient-accumulation-fusion"]
+MEGATRON_FSDP = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--no-gradient-accumulation-fusion",
+                 "--data-parallel-sharding-strategy", "optim_grads_params"]
 """Megatron-FSDP (its fsdp_dtensor checkpoints are saved synchronously, as upstream)."""
 
 
