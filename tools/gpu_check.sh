@@ -231,9 +231,9 @@ decode_many() {  # the gather's batched decode: decode_many over world-1 payload
 gloo_one_gpu() {  # several gloo ranks on the one GPU: the CIERA gather's CUDA branch, bit-exact
     local rc=0
     $PY tools/gloo_one_gpu.py --device cuda --world 2 --steps "${GLOO_STEPS:-300}" --fsdp2-steps 20 \
-        --out-md "$OUT/gloo_one_gpu_w2.md" || rc=1
+        --no-per-rank-sizes --out-md "$OUT/gloo_one_gpu_w2.md" || rc=1
     $PY tools/gloo_one_gpu.py --device cuda --world 4 --steps "${GLOO_STEPS_W4:-100}" --fsdp2-steps 10 \
-        --codecs exponent_reuse --out-md "$OUT/gloo_one_gpu_w4.md" || rc=1
+        --codecs exponent_reuse delta --out-md "$OUT/gloo_one_gpu_w4.md" || rc=1  # per-rank sizes: the p2p ring
     return $rc
 }
 
