@@ -530,6 +530,7 @@ def train(args, *, watchdogs: list | None = None) -> str:
         _evaluate(run, split="valid", index=evaluation.eval_index(it + (args.eval_interval or 0), args.eval_interval),
                   prefix=f"iteration {it} on validation set")
         _evaluate(run, split="test", index=0, prefix=f"iteration {it} on test set")
+        _sync_params(model, args)  # the gathers evaluation left in flight finish before the parameters are read
     if run.selection_log is not None and (line := run.selection_log.interval_line()):
         _print0(line)  # decisions after the last log line
     if ciera_config is not None:

@@ -266,3 +266,15 @@ def test_gathers_start_inside_the_coalescing_manager(tmp_path):
         dist.all_gather_into_tensor(outs[2], torch.full((4,), 3.0), group=group, async_op=True)
     cm.wait()
     assert [o[0].item() for o in outs] == [1.0, 2.0, 3.0]
+
+
+def test_megatron_fsdp_zero3_with_evaluation_is_bit_identical_with_ciera():
+    """Evaluation's forward passes gather (replays under CIERA) and leave the last buckets gathered:
+    the parameters read at the end (sha256, checkpoint) are the shards again, equal with and without
+    CIERA and to a run without evaluation."""
+    evals = ("--eval-iters", "1", "--eval-interval", "2")
+    base = run(*strategy("optim_grads_params"), *evals)
+    result = run(*strategy("optim_grads_params"), *evals, *CIERA)
+    assert result.losses == base.losses and result.sha256 == base.sha256
+    assert result.sha256 == run(*strategy("optim_grads_params")).sha256
+    assert "validation loss" in result.output

@@ -46,6 +46,9 @@ from tools.testbed.testbed import torchrun_command
 
 TRAIN_MODES = {
     "baseline": [],
+    "default": ["--ciera-allgather"],  # what a user adds: every --ciera-* flag at its default
+    "cache-values": ["--ciera-allgather", "--ciera-cache", "values"],
+    "cache-exponents": ["--ciera-allgather", "--ciera-cache", "exponents"],
     "auto": ["--ciera-allgather", "--ciera-selection", "auto", "--ciera-codec", "auto"],
     "exponent_reuse": ["--ciera-allgather", "--ciera-selection", "always", "--ciera-codec", "exponent_reuse"],
     "delta": ["--ciera-allgather", "--ciera-selection", "always", "--ciera-codec", "delta"],
