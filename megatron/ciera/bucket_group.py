@@ -390,10 +390,13 @@ def device_bytes_line(states) -> str:
     """The start-up line: CIERA's device bytes per rank beside the model's parameter buffers."""
     b = _device_bytes(states)
     mib = 1 << 20
+    # A receive buffer holds every rank's payload, each smaller than its shard (else the plan is
+    # raw), plus 1/8 slack: at most 9/8 of the bucket.
+    bound = sum(d.numel() * d.element_size() * 9 // 8 for s in states for d in s.param_data)
     parts = ", ".join(f"{k} {b.get(k, 0) / mib:.2f} MiB" for k in ("send", "receive", "state", "index"))
     return (f"CIERA device memory per rank: {b.get('total', 0) / mib:.2f} MiB ({b.get('total', 0)} bytes: {parts}) "
             f"beside {b['model'] / mib:.2f} MiB of parameter buffers; receive buffers grow at agreements "
-            f"only, sender states at the first compressed gather")
+            f"only, to at most {bound / mib:.2f} MiB; sender states at the first compressed gather")
 
 
 def bucket_stats(ddp_models: Iterable) -> list[tuple[str, object]]:
