@@ -108,6 +108,13 @@ def _uses_streams(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def _keep_for(t: torch.Tensor, stream) -> None:
+    """``record_stream``: ``t``'s memory is not handed out again before ``stream``'s work queued so
+    far is done (nothing to keep for an empty tensor)."""
+    if t.numel():
+        t.record_stream(stream)
+
+
 @functools.cache
 def side_stream(device: torch.device):
     """The one encode stream of a CUDA device, shared by every gather on it."""
@@ -596,7 +603,7 @@ class CieraAllGather:
             current.wait_event(self._released)
         self._proposing = current
         for t in (self._needed, self._offsets, self._rows, self._recv):  # the agreement reads and writes them
-            t.record_stream(current)
+            _keep_for(t, current)
         stream = side_stream(self._send.device)
         stream.wait_stream(current)  # the optimizer wrote the shard; the previous gather is done
         with torch.cuda.stream(stream):
@@ -624,7 +631,7 @@ class CieraAllGather:
             current.wait_stream(self._proposing)
             self._proposing = None
         for t in (self._send, self._recv, self.buffer):
-            t.record_stream(current)
+            _keep_for(t, current)
 
     def _order_release(self) -> None:
         """Stream policy, decode: what the wait's stream read or wrote stays alive for it, and an
@@ -633,7 +640,7 @@ class CieraAllGather:
             return
         current = torch.cuda.current_stream(self._send.device)
         for t in (self._recv, self._offsets, self._rows, self.buffer):
-            t.record_stream(current)
+            _keep_for(t, current)
         if self._released is None:
             self._released = torch.cuda.Event()
         self._released.record(current)
