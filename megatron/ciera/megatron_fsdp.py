@@ -59,8 +59,6 @@ def check_args(args, err: Callable[[str], None]) -> None:
     if args.async_save and args.ckpt_format == "fsdp_dtensor":
         err("--async-save with --ckpt-format fsdp_dtensor: not implemented by this entry point (Megatron-LM 0.16 "
             "refuses it too; 0.19 writes it through torch DCP's asynchronous planner); save without --async-save")
-    if args.ciera_allgather and getattr(args, "fp8_param_gather", False):
-        err("--ciera-allgather with --use-megatron-fsdp and --fp8-param-gather: not supported")
     if args.ciera_allgather:
         from ciera.zero3 import Zero3Gather
 
@@ -233,7 +231,17 @@ def install(model: list, config, optimizer_config=None, log: Callable[[str], Non
         n += fsdp.all_gather_pipeline.num_buckets
     units, sharded = planned_units(model)
     shared.log_planned_cache(log, config=config, units=units, sharded=sharded, budget=budget)
+    plain = _plain_buckets(model)
+    if plain and log is not None:
+        log(f"CIERA: {plain} Megatron-FSDP bucket(s) hold parameters that are not bf16/fp16/fp32 (fp8 under "
+            "--fp8-param-gather): they keep Megatron-FSDP's own all-gather, the others gather through CIERA")
     return n
+
+
+def _plain_buckets(model) -> int:
+    """Buckets whose gathered storage CIERA does not compress (fp8 parameters, stored as uint8)."""
+    return sum(1 for chunk in model for group in _fsdp(chunk).param_and_grad_buffer.parameter_groups
+               if group.model_weight_buffer is not None and group.model_weight_buffer.dtype not in _GATHER_DTYPES)
 
 
 def _gathers(model) -> list:

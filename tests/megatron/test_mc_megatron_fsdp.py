@@ -278,3 +278,11 @@ def test_megatron_fsdp_zero3_with_evaluation_is_bit_identical_with_ciera():
     assert result.losses == base.losses and result.sha256 == base.sha256
     assert result.sha256 == run(*strategy("optim_grads_params")).sha256
     assert "validation loss" in result.output
+
+
+def test_megatron_fsdp_fp8_param_gather_is_accepted_with_ciera():
+    """As under the distributed optimizer: fp8 buckets keep Megatron-FSDP's own gather (a start-up
+    line says so), the others gather through CIERA; the command is not refused."""
+    args = parse(["--ckpt-format", "fsdp_dtensor", *strategy("optim_grads_params"), "--fp8-format", "hybrid",
+                  "--fp8-param-gather", "--ciera-allgather"])
+    assert args.fp8_param_gather and args.ciera_allgather
