@@ -346,6 +346,8 @@ class CieraAllGather:
         self._move(Phase.AGREED, "apply()")
         mode, _ = self._proposed or ("raw", None)
         self._proposed = None
+        if _uses_streams(self._send.device):  # a raw plan refreshes the sender state from the shard here
+            self._proposing = torch.cuda.current_stream(self._send.device)  # the launch waits for this stream
         if plan.corrupt_ranks:
             mine = f" (here: {self._corrupt})" if self._corrupt else ""
             self._move(Phase.IDLE, "apply()")
@@ -754,7 +756,16 @@ def _prepare(gathers: list[CieraAllGather], *, group, replays) -> list[Plan]:
     again = [g.name for g in gathers if g.phase is not Phase.IDLE]
     if again:  # encoding twice would advance the sender state past what receivers hold
         raise RuntimeError(f"prepare_many: {again} are already prepared or in flight; start() and wait() them first")
-    replays = replays or [None] * len(gathers)
+    try:
+        return _propose_agree_apply(gathers, group=group, replays=replays or [None] * len(gathers))
+    except BaseException:  # nothing of these gathers launched: every one back to idle (raw next), then raise
+        for g in gathers:
+            if g.phase in (Phase.PROPOSED, Phase.AGREED):
+                g.invalidate()
+        raise
+
+
+def _propose_agree_apply(gathers: list[CieraAllGather], *, group, replays) -> list[Plan]:
     fresh = all(r is None for r in replays)
     unreported = any(g._stale_unreported for g in gathers)  # replays' checks ride on the next table
     if fresh and not unreported and all(g.quiet_raw() for g in gathers):  # selection's raw, nothing due: a plain gather
@@ -792,9 +803,7 @@ def _prepare(gathers: list[CieraAllGather], *, group, replays) -> list[Plan]:
             g._stale.zero_()  # in stream order after the table's copy of it
             g._stale_unreported = False
     stale = [(g.name, ranks) for g, column in zip(gathers, table) if (ranks := stale_ranks(column))]
-    if stale:
-        for g in gathers:  # nothing launched: every gather back to idle, caches dropped, then every rank raises
-            g.invalidate()
+    if stale:  # (every gather goes back to idle in _prepare, caches dropped: every rank raises)
         raise StaleReplayError(
             "; ".join(f"{name}: rank(s) {list(ranks)}" for name, ranks in stale)
             + ": a shard changed between gathers of one optimizer step that reused its plan (a write to the "

@@ -225,8 +225,6 @@ def _prepare_rollback_worker(rank, world):
     return [g.phase.value for g in gathers]
 
 
-@pytest.mark.xfail(strict=True, reason="prepare_many has no rollback yet: an exchange that raises leaves "
-                                       "its gathers proposed (the binding invalidates them itself)")
 def test_prepare_many_rolls_back_when_the_agreement_raises(two_ranks):
     for r in two_ranks:
         assert r["rollback"] == ["idle"] * N_BUCKETS

@@ -116,9 +116,6 @@ def test_every_cross_stream_use_is_ordered_and_kept_alive(recorded):
             assert r["unrecorded"] == [], (scenario, rank, r["unrecorded"])
 
 
-@pytest.mark.xfail(strict=True, reason="a raw plan's apply() reads the shard (the sender state's refresh) on "
-                   "the agreement's stream, and a launch on another stream does not wait for it: only an "
-                   "encode records the agreement's stream today")
 def test_a_launch_on_another_stream_waits_for_a_raw_agreement(recorded):
     for by_case in recorded:
         assert by_case["split", False]["violations"] == []
