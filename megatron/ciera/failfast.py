@@ -312,8 +312,13 @@ def exit_on_error(exc: BaseException, *, watchdog=None) -> None:
     else:
         stall = watchdog.stall(exc) if watchdog is not None else None
         lost = next((m for m in _PEER_LOST if m in str(exc)), None)
+        worker = _dataloader_worker_error(exc)
         if stall is not None:
             message = stall
+        elif worker is not None:  # torch's DataLoader noticed its dead worker before the watchdog did
+            phase = getattr(watchdog, "phase", None)
+            message = (f"{who}: its DataLoader worker {worker}" + (f" during {phase}" if phase else "")
+                       + "; ending this rank now (the launcher ends the others)")
         elif lost is not None:  # a consequence: the peer that failed printed the cause
             where = describe_wait(list(traceback.walk_tb(exc.__traceback__)))
             _exit_reported_once(f"{who}: a peer went away during {where} ({lost}): ending this rank; the cause is "
@@ -322,6 +327,26 @@ def exit_on_error(exc: BaseException, *, watchdog=None) -> None:
             message = (f"{who}: {type(exc).__name__} (ending this rank now; the launcher ends the others):\n"
                        + "".join(traceback.format_exception(exc)).rstrip())
     exit_now(message, code=_exit_code(exc), gate=watchdog.gate if watchdog is not None else None)
+
+
+def _dataloader_worker_error(exc: BaseException) -> str | None:
+    """What torch's DataLoader said of a dead worker (``(pid 123) is killed by signal: Killed``),
+    if ``exc`` or an exception it was raised from says it; else ``None``."""
+    import re
+
+    seen = exc
+    for _ in range(20):
+        if seen is None:
+            return None
+        found = re.search(r"DataLoader worker (\(pids?\(?s?\)? [^)]*\)[^\n.]*)", str(seen))
+        if found:
+            return found.group(1).strip()
+        in_loader = any(f"torch{os.sep}utils{os.sep}data{os.sep}" in frame.f_code.co_filename
+                        for frame, _ in traceback.walk_tb(seen.__traceback__))
+        if in_loader and any(m in str(seen) for m in _PEER_LOST):  # the pipe from a worker that died
+            return f"died ({type(seen).__name__}: {str(seen).strip()[:120]} from its pipe)"
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _exit_reported_once(message: str, *, rank: int | None, code: int, watchdog) -> None:

@@ -159,9 +159,11 @@ def test_killed_dataloader_worker_ends_the_job_fast():
     assert job.end() - killed < FAST_S
     out = job.output
     assert job.proc.returncode != 0, out[-3000:]
-    # named as what it was and where the loop was (or by torch's DataLoader, should it notice first)
+    # named as what it was and where the loop was, by the watchdog or (should torch's DataLoader
+    # notice first) by the error path
     assert re.search(r"rank 1: its DataLoader worker \(pid \d+\) was killed by SIGKILL during iteration \d+'s "
-                     r"forward-backward|DataLoader worker \(pid", out), out[-3000:]
+                     r"forward-backward|rank 1: its DataLoader worker [^\n]* during iteration \d+'s ", out), \
+        out[-3000:]
 
 
 # --async-save: megatron-core's TemporalAsyncCaller takes a writer killed by a signal for a finished
@@ -185,8 +187,9 @@ def _kill_writer_mid_save(save: Path, mode: str) -> Path:
     assert job.proc.returncode != 0, out[-3000:]
     # The watchdog names the dead child, unless megatron-core's async queue reaped it first and
     # raised on the missing results itself (then rank 0's traceback carries that error).
-    assert re.search(r"rank 0: its checkpoint writer \(pid \d+\) was killed by SIGKILL during iteration 4's "
-                     r"checkpoint save", out) or (
+    # (the watchdog looks every second: the loop may be past the save by then)
+    assert re.search(r"rank 0: its checkpoint writer \(pid \d+\) was killed by SIGKILL during iteration \d+'s ",
+                     out) or (
         re.search(r"rank \d: \w+ \(ending this rank now", out)
         and re.search(r"Worker failure|results_queue|CheckpointException|background writer of rank\(s\) \[0\]|"
                       r"persistent checkpoint worker", out)), \

@@ -133,3 +133,16 @@ def test_a_fault_whose_target_does_not_exist_says_so(capsys):
         f"WARNING: {failfast.FAULT_ENV}=raise:2:3: there is no rank 2 (world size 2); the injected fault cannot fire",
         f"WARNING: {failfast.FAULT_ENV}=kill-writer:1:3: no checkpoint is saved at iteration 3 (--save-interval 2); "
         "the injected fault cannot fire"]
+
+
+def test_a_dead_dataloader_worker_is_named_from_torchs_error():
+    def chained():
+        try:
+            raise RuntimeError("DataLoader worker (pid 5) is killed by signal: Killed. ")
+        except RuntimeError as exc:
+            raise ConnectionResetError("Connection reset by peer") from exc
+
+    with pytest.raises(ConnectionResetError) as info:
+        chained()
+    assert failfast._dataloader_worker_error(info.value) == "(pid 5) is killed by signal: Killed"
+    assert failfast._dataloader_worker_error(RuntimeError("Connection reset by peer")) is None  # a peer rank
