@@ -141,22 +141,29 @@ class Zero3Gather:
         buffer = output if self.cache != "values" else self._persistent(
             numel=output.numel(), dtype=output.dtype, device=output.device)
         own = buffer.view(world, n)[rank]
-        if own.data_ptr() != input.data_ptr():
-            own.copy_(input)
         inner = self._inner
+        if inner is None:
+            mode = "fresh"
+        elif inner.phase is Phase.AGREED:
+            mode = "ahead"  # prepared with its group after the step, from the staged copy in _sent
+        elif self._fresh or not self.stepped or inner.last_plan is None:
+            mode = "fresh"  # this gather's own agreement
+        else:
+            mode = "replay"  # a later gather of the step: the step's plan again, no agreement
+        # (a replay into the values cache: its own slot holds the step's shard already)
+        if own.data_ptr() != input.data_ptr() and not (mode == "replay" and buffer is self._values):
+            own.copy_(input)
         if inner is None:
             inner = self._build(buffer)
         else:
             inner.rebind(buffer)
-        if inner.phase is Phase.AGREED:  # prepared ahead from the staged copy: the slot must equal it
-            inner.add_changed(_count_changed(own, self._sent))
-            fresh = True
-        elif self._fresh or not self.stepped or inner.last_plan is None:
-            inner.prepare()  # this gather's own agreement
-            fresh = True
-        else:  # a later gather of the step: the step's plan again, no agreement
-            inner.replay(changed=_count_changed(own, self._sent))
-            fresh = False
+        if mode == "ahead":  # what was encoded must be what the engine hands in now
+            inner.add_changed(_count_changed(input, self._sent))
+        elif mode == "fresh":
+            inner.prepare()
+        else:
+            inner.replay(changed=_count_changed(input, self._sent))
+        fresh = mode != "replay"
         plan = inner.plan
         if self.cache == "exponents" and not plan.raw:
             if not self._exps_valid:  # _finish keeps the cache whenever the next plan may compress
@@ -166,7 +173,7 @@ class Zero3Gather:
             self.fresh_gathers += 1
             self._fresh = False
         self._handle = Zero3Handle(work=inner.start(), finish=lambda: self._finish(
-            buffer=buffer, output=output, own=own, replayed=plan.replay))
+            buffer=buffer, output=output, own=own, replayed=plan.replay, staged=mode == "ahead"))
         return self._handle
 
     def _compresses(self) -> bool:
@@ -174,10 +181,12 @@ class Zero3Gather:
         c = self.config
         return c.cache != "none" and c.codec != "raw" and c.selection != "never"
 
-    def _finish(self, *, buffer: torch.Tensor, output: torch.Tensor, own: torch.Tensor, replayed: bool) -> None:
+    def _finish(self, *, buffer: torch.Tensor, output: torch.Tensor, own: torch.Tensor, replayed: bool,
+                staged: bool) -> None:
         """After the inner gather's ``wait()``: the caches follow what receivers now hold."""
         if not replayed:  # receivers now hold this shard exactly
-            self._sent.copy_(own)
+            if not staged:  # (staged: _sent holds it already, checked equal to the input)
+                self._sent.copy_(own)
             if self.cache == "exponents":
                 # The cache is read only by compressed gathers: kept while the next one may be.
                 self._exps_valid = self._inner.may_compress()
@@ -373,12 +382,15 @@ class Zero3Handle:
 
 
 def _count_changed(shard: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
-    """0-d device tensor: how many words of ``shard`` differ from ``sent`` (0 iff equal bit for
-    bit), compared 8 bytes at a time where the size allows."""
+    """0-d tensor on the shard's device, 0 iff ``shard`` equals ``sent`` bit for bit: on a device,
+    how many words differ (8 bytes at a time where the size allows; no host read); on CPU 0 or 1
+    from one memory comparison (no temporaries: the host is where CPU tensors live)."""
     nbytes, start = shard.numel() * shard.element_size(), shard.storage_offset() * shard.element_size()
     wide = next(w for w, size in ((torch.int64, 8), (torch.int32, 4), (as_bits(shard).dtype, 1))
                 if nbytes % size == 0 and start % size == 0)
     a, b = shard.view(as_bits(shard).dtype).view(wide), sent.view(as_bits(sent).dtype).view(wide)
+    if shard.device.type == "cpu":
+        return torch.tensor(0 if torch.equal(a, b) else 1, dtype=torch.int64)
     return (a != b).sum()
 
 
