@@ -81,7 +81,7 @@ def _int_tuple(text: str):
 
 # Upstream's own converters (recorded as "custom" in the table): ours, with the same meaning.
 _CUSTOM_TYPES = {"moe_layer_freq": _moe_layer_freq, "attention_backend": _attn_backend, "window_size": _int_tuple,
-                 "exit_signal": int}
+                 "exit_signal": int, "window_attn_skip_freq": _moe_layer_freq}  # upstream: moe_freq_type for both
 
 
 @functools.lru_cache(maxsize=None)
@@ -165,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
             seen.update(options)
             _add_upstream(g, dict(flag, options=options))
 
+    _add_modelopt_args(p)
+
     from ciera.agreement import UNEVEN_MIN_SAVING
     from ciera.config import CODECS, CieraConfig  # the library's defaults and choices, quoted in the help below
 
@@ -204,14 +206,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"every N gathers, compare a 64-bit hash of every gathered shard across ranks "
                         f"and stop naming the bucket on a mismatch (default {d.verify_interval}; 0: off). "
                         "For debugging or new hardware; costs one small collective per check")
-    g.add_argument("--ciera-cache", choices=["exponents", "values", "none"], default=None,
+    g.add_argument("--ciera-cache", choices=["auto", "values", "exponents", "none"], default=None,
                    help=f"with --use-torch-fsdp2 or --use-megatron-fsdp (ZeRO-3: the gathered parameters are freed "
-                        f"after use), what "
-                        f"each rank keeps of the others' shards between gathers (default {d.cache}). exponents: "
-                        "1 byte per parameter, exponent_reuse only (the paper's design); values: the unsharded "
-                        "parameters (the memory ZeRO-3 saves), any codec, delta included, and a step's backward "
-                        "gathers send nothing; none: every gather plain. Ignored where the gathered buffer persists (the "
+                        f"after use), what each rank keeps of the others' shards between gathers (default {d.cache}), "
+                        "per parameter of the unsharded model, plus a copy of its own shard. values: the gathered "
+                        "values (2 bytes per bf16 parameter), any codec, and a step's later gathers send nothing; "
+                        "exponents: 1 byte per parameter, exponent_reuse only (the paper's design); auto: values for "
+                        "every unit that fits --ciera-cache-budget, exponents for the rest (the start-up log names "
+                        "the choice); none: every gather plain. Ignored where the gathered buffer persists (the "
                         "distributed optimizer; Megatron-FSDP's optim and optim_grads)")
+    g.add_argument("--ciera-cache-budget", default=None, metavar="SIZE",
+                   help=f"with --ciera-cache auto: memory per rank the ZeRO-3 caches may keep, a share of what is free "
+                        f"once the model and optimizer are built (on CPU: the host's available RAM shared by its "
+                        f"ranks), e.g. 30%%, or a size, e.g. 8GiB (default {d.cache_budget.replace('%', '%%')})")
     g.add_argument("--ciera-per-rank-sizes", type=_bool, default=None, metavar="{true,false}",
                    help=f"compressed gathers send each rank's own payload size when that saves at least "
                         f"{UNEVEN_MIN_SAVING * 100:g}%% of the equal-size gather (default "
@@ -228,6 +235,37 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ciera-snapshot-interval", type=int, default=None, metavar="N",
                    help="save a snapshot every N iterations (default: none; needs --ciera-snapshot-dir)")
     return p
+
+
+# Upstream's pretrain_gpt.py adds ModelOpt's arguments (megatron/post_training/arguments.py) as its
+# extra_args_provider when nvidia-modelopt is importable. Its GPT model builder, the only reader of
+# these, runs only with a ModelOpt checkpoint in --load (or a distillation teacher); plain
+# pretraining builds the standard GPT model and the flags do nothing. {option: what it does there}.
+MODELOPT_FLAGS = {
+    "--export-force-local-attention": "ModelOpt's builder takes megatron-core's local attention instead of TE's",
+    "--enable-gpt-oss": "ModelOpt's builder sets GPT-OSS's YaRN RoPE on the config",
+}
+
+
+def _add_modelopt_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("ModelOpt (upstream pretrain_gpt.py's extra arguments)",
+                             "Accepted as upstream accepts them; they act only in ModelOpt's model builder, "
+                             "which upstream runs for a ModelOpt checkpoint in --load: here with --load they "
+                             "are refused, without it they do nothing (named at start-up)")
+    for option, what in MODELOPT_FLAGS.items():
+        g.add_argument(option, action="store_true", help=f"{what} (default: off)")
+
+
+def _check_modelopt_args(args, err) -> None:
+    """The ModelOpt flags: refused with --load (this entry point has no ModelOpt builder), else inert."""
+    for option, what in MODELOPT_FLAGS.items():
+        if getattr(args, option[2:].replace("-", "_"), False):
+            if args.load is not None:
+                err(f"{option} with --load: ModelOpt checkpoints and ModelOpt's model builder ({what}) are "
+                    "not implemented by this pretrain_gpt.py")
+            else:
+                args.upstream_inert.append(f"{option} (acts only in ModelOpt's model builder, which upstream runs "
+                                           f"for a ModelOpt checkpoint in --load: {what})")
 
 
 def _world_size() -> int:
@@ -313,6 +351,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None, *, de
         raise ValueError("invalid arguments:\n  " + "\n  ".join(errors))
 
     gpu_only = _check_policies(args, err)
+    _check_modelopt_args(args, err)
     _resolve_device(args, device, te_available)
     if args.device == "cpu":
         args.cpu_ignored = gpu_only + (["--transformer-impl transformer_engine"]
@@ -335,8 +374,9 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None, *, de
         try:
             import deep_ep  # noqa: F401
         except ImportError:
-            err("--moe-token-dispatcher-type flex needs DeepEP (the deep_ep package) on GPU; "
-                "use alltoall or install DeepEP")
+            err("--moe-token-dispatcher-type flex needs DeepEP (the deep_ep package), which is not installed: "
+                "build it for this CUDA from https://github.com/deepseek-ai/DeepEP (pip install . in its "
+                "checkout, with NVSHMEM; no PyPI wheel), or use --moe-token-dispatcher-type alltoall")
     _check_local_context_parallel(args, err)
     if args.moe_token_dispatcher_type == "flex" and args.device == "cpu":
         err("--moe-token-dispatcher-type flex needs DeepEP on GPU; on CPU use alltoall")
@@ -345,6 +385,12 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None, *, de
         err("--bf16 and --fp16 are mutually exclusive")
     if args.squared_relu and args.swiglu:
         err("--squared-relu and --swiglu are exclusive (two activations; as in Megatron-LM)")
+    if args.quick_geglu and args.swiglu:
+        err("--quick-geglu and --swiglu are exclusive (two activations; as in Megatron-LM)")
+    if not args.add_bias_linear:  # as upstream's validate_args: no linear bias, no bias-GeLU fusion
+        args.bias_gelu_fusion = False
+    if args.recompute_activations:  # upstream's older spelling of selective recompute
+        args.recompute_granularity = "selective"
     if args.bf16 and args.accumulate_allreduce_grads_in_fp32 and args.main_grads_dtype != "fp32":
         err("--accumulate-allreduce-grads-in-fp32 needs --main-grads-dtype fp32 (as in Megatron-LM)")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
@@ -677,6 +723,20 @@ def _check_batch_and_schedule(args, err) -> None:
         args.lr_warmup_steps = int(args.lr_warmup_fraction * args.lr_decay_steps)
 
 
+def _weight_shards_as_upstream(args) -> None:
+    """megatron-core >= 0.19: the weight-shard counts (dense and expert) resolved against the tensor
+    parallel sizes by megatron-core's own function, as upstream's validate_args does."""
+    try:
+        from megatron.core.model_parallel_config import resolve_tensor_parallel_weight_shards as resolve
+    except ImportError:  # megatron-core 0.16: no such flags
+        return
+    args.tensor_parallel_num_weight_shards, args.gtp_weight_remat_size = resolve(
+        args.tensor_model_parallel_size, args.tensor_parallel_num_weight_shards, getattr(args, "gtp_weight_remat_size", 1))
+    args.expert_tensor_parallel_num_weight_shards, args.expert_gtp_weight_remat_size = resolve(
+        args.expert_tensor_parallel_size or args.tensor_model_parallel_size,
+        args.expert_tensor_parallel_num_weight_shards, getattr(args, "expert_gtp_weight_remat_size", 1))
+
+
 def _fill_model_defaults(args) -> None:
     import torch
 
@@ -690,6 +750,7 @@ def _fill_model_defaults(args) -> None:
         args.moe_ffn_hidden_size = args.ffn_hidden_size
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     _grad_reduce_dtype_as_upstream(args)
+    _weight_shards_as_upstream(args)
     if args.start_weight_decay is None:
         args.start_weight_decay = args.weight_decay
     if args.end_weight_decay is None:
@@ -717,11 +778,15 @@ def explicit_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]
 
 
 def parse_args(argv: list[str] | None = None, **validate_kw) -> argparse.Namespace:
-    """Parse and validate; on an invalid combination exit with argparse's usage error (status 2)."""
+    """Parse and validate; on an invalid combination exit with status 2, as argparse, printing
+    the error once (rank 0) with a one-line usage hint (:func:`megatron.ciera.failfast.usage_error`)."""
     import sys
+
+    from .failfast import usage_error
 
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
+    parser.error = usage_error  # not argparse's usage of every flag, on every rank
     if newer := newer_release_flags(argv):
         from importlib.metadata import version
 
@@ -749,6 +814,7 @@ def ciera_config_from_args(args: argparse.Namespace):
         "selection": args.ciera_selection,
         "verify_interval": args.ciera_verify_interval,
         "cache": args.ciera_cache,
+        "cache_budget": args.ciera_cache_budget,
         "per_rank_sizes": args.ciera_per_rank_sizes,
     }
     return CieraConfig(**{k: v for k, v in fields.items() if v is not None})

@@ -84,7 +84,8 @@ _HONOURED = {
     "profile", "profile_step_start", "profile_step_end", "profile_ranks", "use_pytorch_profiler",  # .profiling
     "pytorch_profiler_collect_shapes", "pytorch_profiler_collect_callstack",
     "rampup_batch_size", "step_batch_size_schedule",  # megatron.ciera.batch_schedule
-    "squared_relu",  # model.transformer_config's activation, as upstream
+    "squared_relu", "quick_geglu",  # model.transformer_config's activation, as upstream
+    "recompute_activations",  # validate_args: --recompute-granularity selective, as upstream
     "enable_experimental",  # training.train sets megatron-core's experimental flag, as upstream
     "exit_signal_handler", "exit_signal",  # megatron.ciera.exit_signal: a checkpoint, then a clean exit
 }
