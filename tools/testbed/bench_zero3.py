@@ -29,6 +29,7 @@ from tools.testbed.netns import LinkSpec, Testbed, TestbedConfig, TestbedUnavail
 from tools.testbed.sim_testbed import MeasuredLink, probe_gloo, probe_link
 
 RUNS = {"baseline": ("FSDP2 all-gather", []),
+        "default": ("--ciera (every setting at its default: cache auto)", ["--ciera", "--cache", "auto"]),
         "exponents": ("--ciera (auto, cache exponents)", ["--ciera", "--cache", "exponents"]),
         "values": ("--ciera (auto, cache values)", ["--ciera", "--cache", "values"]),
         "values-always": ("--ciera (always, cache values)", ["--ciera", "--cache", "values", "--selection", "always"]),
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=4,
                    help="tokens per micro-batch and rank (default 4: few, so the parameter gathers dominate, "
                         "as for MoE experts, whose tokens are a fraction of the batch)")
-    p.add_argument("--runs", nargs="+", choices=list(RUNS), default=["baseline", "exponents", "values"],
+    p.add_argument("--runs", nargs="+", choices=list(RUNS), default=["baseline", "default", "exponents", "values"],
                    help="which runs (baseline first: the others are compared with it)")
     p.add_argument("--simulate", action="store_true",
                    help="also time gloo's all-gather on the link (link_probe.py) and print the simulator's "
@@ -143,8 +144,8 @@ def main(argv=None) -> int:
         ok &= same
         wire = "-" if r["raw_mib"] is None else f"{r['raw_mib']:.1f} -> {r['wire_mib']:.1f}"
         sim = "-"
-        if link is not None and r["units"]:
-            cache = RUNS[name][1][RUNS[name][1].index("--cache") + 1]
+        cache = RUNS[name][1][RUNS[name][1].index("--cache") + 1] if "--cache" in RUNS[name][1] else None
+        if link is not None and r["units"] and cache in ("values", "exponents"):  # (auto: chosen inside the run)
             pred = 1e3 * predict_s(base_s=base["ms"] / 1e3, units=r["units"], link=link, world=2,
                                    micro_batches=a.micro_batches, cache=cache)
             sim = f"{pred:.1f} ({(pred - r['ms']) / r['ms']:+.1%})"
