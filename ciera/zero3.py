@@ -93,6 +93,10 @@ class Zero3Gather:
         """Gathers since the last :meth:`step` (the count a step needs: 1, or 2 x micro-batches)."""
         self.fresh_gathers = 0
         """Gathers that encoded (at most one per step when ``stepped``)."""
+        self.gather_prepares = 0
+        """Gathers that prepared (encoded and agreed) themselves: a unit's first gather, the first after
+        :meth:`invalidate`, every fresh one of a unit without ``source`` (the others were prepared by
+        :meth:`Zero3Units.step`, or replay)."""
 
     # -- the engine's side -----------------------------------------------------------------------
     def allocate(self, *, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -161,6 +165,7 @@ class Zero3Gather:
             inner.add_changed(_count_changed(input, self._sent))
         elif mode == "fresh":
             inner.prepare()
+            self.gather_prepares += 1
         else:
             inner.replay(changed=_count_changed(input, self._sent))
         fresh = mode != "replay"

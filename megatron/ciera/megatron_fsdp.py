@@ -271,8 +271,12 @@ def summary(model) -> str:
     """The closing summary: the buckets' counters as a table, the encodes per bucket (one per
     optimizer step) and the ZeRO-3 cache measured."""
     encodes = ", ".join(f"{g.prefix}bucket{i} {g.fresh(i)}" for g in _gathers(model) for i in sorted(g.gathers))
+    units = [u for g in _gathers(model) for u in g.units.units]
+    preparing = (f"\nCIERA ZeRO-3 agreements: {sum(g.units.agreements for g in _gathers(model))} after optimizer "
+                 f"steps (one per process group and step), {sum(u.gather_prepares for u in units)} in gathers "
+                 f"(a bucket's first, or the first after a load)") if units else ""
     return shared.summary(bucket_stats(model), encodes_title="CIERA Megatron-FSDP encodes per bucket",
-                          encodes=encodes, measured_cache=cache_bytes(model))
+                          encodes=encodes, measured_cache=cache_bytes(model)) + preparing
 
 
 def cache_bytes(model) -> int:

@@ -90,6 +90,10 @@ def test_megatron_fsdp_zero3_is_bit_identical_with_ciera():
     """optim_grads_params: the root unit's bucket persists (gathered once per step); the two layers'
     dense and expert buckets are freed after use and gathered in every forward and backward."""
     result = assert_bit_identical("optim_grads_params", zero3_buckets=4)
+    agreed = re.search(r"^CIERA ZeRO-3 agreements: (\d+) after optimizer steps .*, (\d+) in gathers", result.output, re.M)
+    steps, in_gathers = int(agreed.group(1)), int(agreed.group(2))
+    assert in_gathers == len(encodes(result)) == 5, "each bucket agrees in a gather only at its first (2 micro-batches)"
+    assert steps in (ITERS, 2 * ITERS), "one agreement per process group (dense, expert) and optimizer step"
     planned = re.search(r"^CIERA ZeRO-3 cache \([\w+]+\): [\d.]+ MiB \((\d+) bytes\) per rank", result.output, re.M)
     measured = re.search(r"^CIERA ZeRO-3 cache: [\d.]+ MiB \((\d+) bytes\) per rank .*\(measured\)$", result.output, re.M)
     assert int(planned.group(1)) == int(measured.group(1)) > 0
@@ -286,3 +290,12 @@ def test_megatron_fsdp_fp8_param_gather_is_accepted_with_ciera():
     args = parse(["--ckpt-format", "fsdp_dtensor", *strategy("optim_grads_params"), "--fp8-format", "hybrid",
                   "--fp8-param-gather", "--ciera-allgather"])
     assert args.fp8_param_gather and args.ciera_allgather
+
+
+@pytest.mark.slow
+def test_megatron_fsdp_zero3_one_micro_batch_agrees_once_per_step():
+    """One micro-batch per step (global batch 4 on 2 ranks): the same counts as with two."""
+    base, result = run(*strategy("optim_grads_params"), gbs=4), run(*strategy("optim_grads_params"), *CIERA, gbs=4)
+    assert result.losses == base.losses and result.sha256 == base.sha256
+    agreed = re.search(r"^CIERA ZeRO-3 agreements: (\d+) after optimizer steps .*, (\d+) in gathers", result.output, re.M)
+    assert int(agreed.group(2)) == len(encodes(result)) and int(agreed.group(1)) in (ITERS, 2 * ITERS)
