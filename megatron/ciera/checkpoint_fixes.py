@@ -83,18 +83,18 @@ UPSTREAM_METHODS: tuple[UpstreamMethod, ...] = (
 
 KNOWN_SOURCES: Mapping[str, Mapping[str, str]] = MappingProxyType({
     "0.16.1": MappingProxyType({
-        f"{_DISTOPT}.DistributedOptimizer.get_parameter_state_dp_zero": "5ff13724cc6904f7",
-        f"{_DISTOPT}.DistributedOptimizer.sharded_param_state_fully_reshardable": "526fee77cba6b4ec",
-        f"{_DISTOPT}.DistributedOptimizer._set_main_param_and_optimizer_states": "0f5b599c6cb16c50",
-        f"{_DISTOPT}.DistributedOptimizer.load_state_dict": "37ce4b9e883612a2",
-        f"{_OPTIMIZER}.ChainedOptimizer.load_state_dict": "a9b12e8e98354b51",
+        f"{_DISTOPT}.DistributedOptimizer.get_parameter_state_dp_zero": "3b4f7f3b98e8ff42",
+        f"{_DISTOPT}.DistributedOptimizer.sharded_param_state_fully_reshardable": "66c64e0ab2334f0c",
+        f"{_DISTOPT}.DistributedOptimizer._set_main_param_and_optimizer_states": "633ed69b862ba3fb",
+        f"{_DISTOPT}.DistributedOptimizer.load_state_dict": "cb1b0f07d84262d9",
+        f"{_OPTIMIZER}.ChainedOptimizer.load_state_dict": "f52de277fa3b75a4",
     }),
     "0.19.2": MappingProxyType({
-        f"{_DISTOPT}.DistributedOptimizer.get_parameter_state_dp_zero": "98951919b7e3bd6f",
-        f"{_DISTOPT}.DistributedOptimizer.sharded_param_state_fully_reshardable": "4704c6e7e4e50941",
-        f"{_DISTOPT}.DistributedOptimizer._set_main_param_and_optimizer_states": "38261637dc92678d",
-        f"{_DISTOPT}.DistributedOptimizer.load_state_dict": "11d0966483bdb609",
-        f"{_OPTIMIZER}.ChainedOptimizer.load_state_dict": "a9b12e8e98354b51",
+        f"{_DISTOPT}.DistributedOptimizer.get_parameter_state_dp_zero": "7e9d3d5e79201f95",
+        f"{_DISTOPT}.DistributedOptimizer.sharded_param_state_fully_reshardable": "66c64e0ab2334f0c",
+        f"{_DISTOPT}.DistributedOptimizer._set_main_param_and_optimizer_states": "642ca7aea8e30770",
+        f"{_DISTOPT}.DistributedOptimizer.load_state_dict": "571842f535bba334",
+        f"{_OPTIMIZER}.ChainedOptimizer.load_state_dict": "f52de277fa3b75a4",
     }),
 })
 """megatron-core version -> {:attr:`UpstreamMethod.name`: ``upstream_patch.source_digest``}, for

@@ -55,6 +55,33 @@ def test_a_changed_method_is_named_with_what_to_recheck():
         upstream.check_upstream(digests=digests)
 
 
+def test_a_patch_release_that_edits_only_docstrings_and_comments_passes_a_changed_line_does_not():
+    """The digests cover each method's code (its syntax tree, docstrings dropped): a copy of an
+    upstream method with its docstring and comments edited and its lines re-wrapped passes the gate,
+    one with a line of code changed is refused naming the method."""
+    import ast
+    import textwrap
+
+    method = upstream.UPSTREAM_METHODS[0]
+    source = textwrap.dedent(upstream._installed_source(method))
+    lines = source.splitlines()
+    first = ast.parse(source).body[0].body[0]  # the method's docstring
+    assert isinstance(first, ast.Expr) and isinstance(first.value.value, str)
+    indent = " " * first.col_offset
+    edited = lines[: first.lineno - 1] + [f'{indent}"""A docstring a patch release rewrote."""',
+                                          f"{indent}# and a comment it added"] + lines[first.end_lineno:]
+    edited = "\n".join(edited).replace("):\n", "):  # a comment on the line\n", 1) + "\n"
+    assert edited != source and upstream.source_digest(edited) == upstream.source_digest(source)
+    digests = dict(upstream.installed_digests(), **{method.name: upstream.source_digest(edited)})
+    assert upstream.upstream_changes(digests=digests) == []
+    code = next(i for i, line in enumerate(lines) if i >= first.end_lineno and " = " in line
+                and not line.strip().startswith("#"))
+    changed = lines[:code] + [lines[code].replace(" = ", " = 1 + ", 1)] + lines[code + 1:]
+    digests[method.name] = upstream.source_digest("\n".join(changed))
+    changes = upstream.upstream_changes(digests=digests)
+    assert len(changes) == 1 and method.name in changes[0]
+
+
 def test_a_method_is_accepted_as_in_any_checked_version():
     """A new release that changes none of the listed methods passes (per method, any checked version)."""
     tables = list(upstream.KNOWN_SOURCES.values())

@@ -21,7 +21,8 @@ own state and reaches megatron-core only through the functions here:
 
 Version gate: every upstream method the above replaces, copies or relies on is listed in
 :data:`UPSTREAM_METHODS` with what to re-check when it changes; :data:`KNOWN_SOURCES` holds the
-digest of each one's source in every megatron-core version it was checked against.
+digest of each one's code (:func:`source_digest`: docstrings and comments do not count) in every
+megatron-core version it was checked against.
 :func:`check_upstream` (run by :func:`attach`) refuses an installed megatron-core whose sources
 match none of them, naming each changed method; ``tests/megatron/test_mc_upstream_patch.py`` fails
 on such a version with the same names and the digests to record once the re-check is done.
@@ -30,6 +31,7 @@ on such a version with the same names and the digests to record once the re-chec
 from __future__ import annotations
 
 import functools
+import ast
 import hashlib
 import importlib
 import inspect
@@ -112,30 +114,30 @@ UPSTREAM_METHODS: tuple[UpstreamMethod, ...] = (
 
 KNOWN_SOURCES: Mapping[str, Mapping[str, str]] = MappingProxyType({
     "0.16.1": MappingProxyType({
-        f"{_BUFFER}._ParamAndGradBucketGroup.start_param_sync": "eb5405ddf0b8ea88",
-        f"{_BUFFER}._ParamAndGradBucketGroup.finish_param_sync": "dd65b0be17803c8e",
-        f"{_DDP}.DistributedDataParallel.start_param_sync": "fd207b41394fd242",
+        f"{_BUFFER}._ParamAndGradBucketGroup.start_param_sync": "92200a286ec25995",
+        f"{_BUFFER}._ParamAndGradBucketGroup.finish_param_sync": "2aa5601608f34109",
+        f"{_DDP}.DistributedDataParallel.start_param_sync": "77f94a168d08aba7",
         f"{_DDP}.DistributedDataParallel._start_bucket_group_param_sync": "missing",
-        f"{_OPTIMIZER}.MixedPrecisionOptimizer.step_with_ready_grads": "5b453448f9db7c3d",
-        f"{_DISTOPT}.DistributedOptimizer.step_with_ready_grads": "309807529b7a4ab3",
-        f"{_DISTOPT}.DistributedOptimizer._copy_main_params_to_model_params": "4f50ef1e31d59290",
+        f"{_OPTIMIZER}.MixedPrecisionOptimizer.step_with_ready_grads": "2939ab43b58a7913",
+        f"{_DISTOPT}.DistributedOptimizer.step_with_ready_grads": "a44c80bb2db58a74",
+        f"{_DISTOPT}.DistributedOptimizer._copy_main_params_to_model_params": "282e6030b3ef40d0",
         f"{_DISTOPT}.DistributedOptimizer.start_param_sync_for_bucket_group_subset": "missing",
-        f"{_OPTIMIZER}.ChainedOptimizer.step_with_ready_grads": "67a4f04bae7aee3f",
+        f"{_OPTIMIZER}.ChainedOptimizer.step_with_ready_grads": "2d4ed42493dbf54b",
         f"{_OPTIMIZER}.ChainedOptimizer._step": "missing",
-        f"{_MOE}.RouterGatingLinearFunction.forward": "98b85eb43d9dae24",
+        f"{_MOE}.RouterGatingLinearFunction.forward": "9223b03b8e94f8a4",
     }),
     "0.19.2": MappingProxyType({
-        f"{_BUFFER}._ParamAndGradBucketGroup.start_param_sync": "277b3a9c51905fbe",
-        f"{_BUFFER}._ParamAndGradBucketGroup.finish_param_sync": "edd926ddcd5456f2",
-        f"{_DDP}.DistributedDataParallel.start_param_sync": "54195d71302eb588",
-        f"{_DDP}.DistributedDataParallel._start_bucket_group_param_sync": "b1561387931c7891",
-        f"{_OPTIMIZER}.MixedPrecisionOptimizer.step_with_ready_grads": "ecd7b034b8df886e",
-        f"{_DISTOPT}.DistributedOptimizer.step_with_ready_grads": "77837ba463710070",
-        f"{_DISTOPT}.DistributedOptimizer._copy_main_params_to_model_params": "4a9ee74491d2b94d",
-        f"{_DISTOPT}.DistributedOptimizer.start_param_sync_for_bucket_group_subset": "00e71ae780fe6a2f",
-        f"{_OPTIMIZER}.ChainedOptimizer.step_with_ready_grads": "689b9abfbebb4d4c",
-        f"{_OPTIMIZER}.ChainedOptimizer._step": "ec616e1da800e49f",
-        f"{_MOE}.RouterGatingLinearFunction.forward": "98b85eb43d9dae24",
+        f"{_BUFFER}._ParamAndGradBucketGroup.start_param_sync": "b3aeb0e50f5cb991",
+        f"{_BUFFER}._ParamAndGradBucketGroup.finish_param_sync": "5d23e54265b4572e",
+        f"{_DDP}.DistributedDataParallel.start_param_sync": "6b543cd826c784ad",
+        f"{_DDP}.DistributedDataParallel._start_bucket_group_param_sync": "a927a4fa0e72a3d2",
+        f"{_OPTIMIZER}.MixedPrecisionOptimizer.step_with_ready_grads": "ecbe8414ce738d32",
+        f"{_DISTOPT}.DistributedOptimizer.step_with_ready_grads": "dd03993b3968d754",
+        f"{_DISTOPT}.DistributedOptimizer._copy_main_params_to_model_params": "ed5522a255264f86",
+        f"{_DISTOPT}.DistributedOptimizer.start_param_sync_for_bucket_group_subset": "e6774860e361adba",
+        f"{_OPTIMIZER}.ChainedOptimizer.step_with_ready_grads": "a9c86c50235fb5d7",
+        f"{_OPTIMIZER}.ChainedOptimizer._step": "df9cfcd4e00a8764",
+        f"{_MOE}.RouterGatingLinearFunction.forward": "9223b03b8e94f8a4",
     }),
 })
 """megatron-core version -> {:attr:`UpstreamMethod.name`: :func:`source_digest`, or ``missing``
@@ -151,8 +153,18 @@ def installed_version() -> str:
 
 
 def source_digest(source: str) -> str:
-    """First 16 hex digits of the SHA-256 of ``source`` (a method's source, dedented)."""
-    return hashlib.sha256(textwrap.dedent(source).encode()).hexdigest()[:16]
+    """First 16 hex digits of the SHA-256 of ``source``'s code (a method's source, dedented): its
+    syntax tree without docstrings, written back as source, so comments, docstrings and formatting
+    do not count (a patch release that edits only those passes the gate) while any change to the
+    code does."""
+    tree = ast.parse(textwrap.dedent(source))
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Module)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return hashlib.sha256(ast.unparse(tree).encode()).hexdigest()[:16]  # (unparse: the same on every Python)
 
 
 def _installed_source(method: UpstreamMethod) -> str:

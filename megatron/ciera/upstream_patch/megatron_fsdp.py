@@ -53,21 +53,21 @@ UPSTREAM_METHODS: tuple[UpstreamMethod, ...] = (
 
 KNOWN_SOURCES: Mapping[str, Mapping[str, str]] = MappingProxyType({
     "0.16.1": MappingProxyType({
-        f"{_PGB}.AllGatherPipeline.async_bucket_gather": "992fe026cd55c8e3",
-        f"{_PGB}.AllGatherPipeline.all_gather_params": "eed54452ca5ce56b",
-        f"{_PGB}.AllGatherPipeline.wait_bucket_ready": "cc6f5be75dc5e1d7",
-        f"{_PGB}.ParamAndGradBuffer.copy_main_weights_to_model_weights": "dee0e048c0470883",
-        f"{_MFSDP}.MegatronFSDP.start_param_sync": "486c6e6ae49bfd21",
+        f"{_PGB}.AllGatherPipeline.async_bucket_gather": "c37b46c8735e2d18",
+        f"{_PGB}.AllGatherPipeline.all_gather_params": "709437da748d1723",
+        f"{_PGB}.AllGatherPipeline.wait_bucket_ready": "2afd99a980f8703d",
+        f"{_PGB}.ParamAndGradBuffer.copy_main_weights_to_model_weights": "fec2599e31de2e7c",
+        f"{_MFSDP}.MegatronFSDP.start_param_sync": "d1a3555f9374c14f",
     }),
     # 0.19: a fourth bucket status, PRESERVED (a persistent bucket's storage kept but not ready):
     # gathered like EMPTY (the skip is "COMMUNICATING or READY_TO_USE", as upstream's); the HSDP
     # outer gather and start_param_sync's fsdp_all_gather_in_start_param_sync do not touch the patch
     "0.19.2": MappingProxyType({
-        f"{_PGB}.AllGatherPipeline.async_bucket_gather": "695cc365229d2307",
-        f"{_PGB}.AllGatherPipeline.all_gather_params": "52ed470ec06aa787",
-        f"{_PGB}.AllGatherPipeline.wait_bucket_ready": "d375b70840444c79",
-        f"{_PGB}.ParamAndGradBuffer.copy_main_weights_to_model_weights": "dee0e048c0470883",
-        f"{_MFSDP}.MegatronFSDP.start_param_sync": "1863dc0a2fa33a3d",
+        f"{_PGB}.AllGatherPipeline.async_bucket_gather": "fb95c56b3783ae5d",
+        f"{_PGB}.AllGatherPipeline.all_gather_params": "72eba46ec22e33ec",
+        f"{_PGB}.AllGatherPipeline.wait_bucket_ready": "fcb181cac34800fd",
+        f"{_PGB}.ParamAndGradBuffer.copy_main_weights_to_model_weights": "fec2599e31de2e7c",
+        f"{_MFSDP}.MegatronFSDP.start_param_sync": "a20798802a427785",
     }),
 })
 """megatron-core version -> {method name: source digest} for every version re-read against this module."""
