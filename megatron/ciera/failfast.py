@@ -303,6 +303,10 @@ def exit_on_error(exc: BaseException, *, watchdog=None) -> None:
     (``watchdog``: the rank's :class:`megatron.ciera.watchdog.Watchdog`); a lost peer one line;
     anything else its traceback under a header naming the rank. The message goes to the rank's
     elastic error file too (:func:`record_error`)."""
+    try:  # ending anyway: torch's DataLoader SIGCHLD handler must not raise in the middle of the report
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    except ValueError:  # not the main thread
+        pass
     rank = _rank()
     who = f"rank {rank}" if rank is not None else "this process"
     if isinstance(exc, SystemExit):
