@@ -442,7 +442,7 @@ def test_fsdp2_one_agreement_per_step_and_no_host_read_in_its_gathers(micro_batc
     gathers in the same order as with a plain comm (its prefetch is untouched)."""
     steps = 4
     plain = run_on_ranks(_steps_worker, world=2, args=(False, "values", micro_batches, steps))
-    for cache in ("values", "exponents"):
+    for cache in ("values", "exponents") if micro_batches == 2 else ("values",):
         for (per_step, reads, orders), (_, _, plain_orders) in zip(
                 run_on_ranks(_steps_worker, world=2, args=(True, cache, micro_batches, steps)), plain):
             assert per_step[1:] == [1] * (steps - 1), (cache, per_step)
