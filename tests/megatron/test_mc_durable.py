@@ -7,6 +7,7 @@ Short versions (2 ranks, a few iterations, --async-save with the persistent work
 both megatron-core releases) run by default; the other save modes are ``slow``."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -142,7 +143,10 @@ def test_argument_error_is_one_line_on_four_ranks():
     lines = (proc.stderr + proc.stdout).splitlines()
     assert proc.returncode != 0
     cause = "--lr -0.0001: out of range (adam optimizer: Invalid learning rate: -0.0001)"
-    before = lines[:_launcher_summary_start(lines)]
+    # (torch's CUDA build without a GPU, megatron-core 0.19.2's stack here, warns once per rank at
+    # import that it found no CUDA runtime: the machine's, not the error's, and absent on GPU nodes)
+    before = [line for line in lines[:_launcher_summary_start(lines)]
+              if not re.search(r"cpp_extension\.py:\d+\] No CUDA runtime is found", line)]
     assert len(before) <= 10, "\n".join(before)
     assert sum(cause in line for line in before) == 1, "\n".join(before)
     assert not any(line.startswith("usage:") for line in lines)
