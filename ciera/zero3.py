@@ -275,7 +275,7 @@ class Zero3Gather:
         """``cache='auto'``: ``values`` when this unit's values cache fits what is left of the budget
         (its :class:`Zero3Units`', else one measured now over the unit's group), else ``exponents``.
         Rank-identical: the budget is the smallest over the ranks, units choose in gather order."""
-        sizes = {c: cache_bytes_per_rank(numel=numel, world=world, dtype=dtype, cache=c) for c in ("values", "exponents")}
+        sizes = _auto_sizes(numel=numel, world=world, dtype=dtype)
         units = self._units if self._units is not None else Zero3Units()
         if units.budget is None:
             units.budget = measure_budget(spec=self.config.cache_budget, device=device, group=self.group)
@@ -451,5 +451,9 @@ def plan_caches(units: list[tuple[int, int, torch.dtype]], *, cache: str, budget
     if cache != "auto":
         return [cache] * len(units)
     plan = Zero3Units(budget=budget)
-    return [plan.take({c: cache_bytes_per_rank(numel=n, world=w, dtype=d, cache=c) for c in ("values", "exponents")})
-            for n, w, d in units]
+    return [plan.take(_auto_sizes(numel=n, world=w, dtype=d)) for n, w, d in units]
+
+
+def _auto_sizes(*, numel: int, world: int, dtype: torch.dtype) -> dict[str, int]:
+    """The bytes per rank of each cache ``auto`` chooses between, for one unit."""
+    return {c: cache_bytes_per_rank(numel=numel, world=world, dtype=dtype, cache=c) for c in ("values", "exponents")}
