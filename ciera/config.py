@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from .memory import parse_budget
 
 CODECS = ("raw", "exponent_reuse", "delta", "delta_ans", "auto")
-CACHES = ("auto", "values", "exponents", "none")
+CACHES = ("auto", "values", "two_level", "exponents", "none")
 SELECTIONS = ("auto", "always", "never")
 
 
@@ -74,9 +74,16 @@ class CieraConfig:
     bytes). ``values``: the gathered values themselves (2 bytes per bf16 parameter: the unsharded
     parameters' memory; any codec, ``delta`` included; a step's later gathers send nothing);
     ``exponents``: 1 byte per parameter (the exponent field; ``exponent_reuse`` only, sign and
-    mantissa sent at every gather); ``auto``: ``values`` for every unit that fits ``cache_budget``
-    (in first-gather order), ``exponents`` for the rest; ``none``: nothing (every ZeRO-3 gather
-    plain). Ignored by the persistent-buffer gather."""
+    mantissa sent at every gather); ``two_level``: across nodes the ``values`` cache of the shards
+    of this rank's local index on every node only (``1/L`` of ``values`` with ``L`` ranks per node,
+    :mod:`ciera.two_level`), then a raw gather within the node; ``auto``: ``values`` for every unit
+    that fits ``cache_budget`` (in first-gather order), else ``two_level`` where the group spans
+    several nodes of several ranks and it fits, else ``exponents``; ``none``: nothing (every ZeRO-3
+    gather plain). Ignored by the persistent-buffer gather."""
+
+    node_size: int = 0
+    """Ranks per node for ``cache='two_level'`` (global rank ``g`` is on node ``g // node_size``);
+    0: the launcher's ``LOCAL_WORLD_SIZE``."""
 
     cache_budget: str = "50%"
     """With ``cache='auto'``: the bytes per rank the receiver caches may keep, as a share of the
@@ -110,6 +117,8 @@ class CieraConfig:
                 bad(f"{name}={v} must be a power of two in [{lo}, {hi}]")
         if self.warmup_gathers < 1:
             bad(f"warmup_gathers={self.warmup_gathers} must be >= 1 (the first gather is always raw)")
+        if not isinstance(self.node_size, int) or self.node_size < 0:
+            bad(f"node_size={self.node_size!r} must be an int >= 0 (0: LOCAL_WORLD_SIZE)")
         if self.verify_interval < 0:
             bad(f"verify_interval={self.verify_interval} must be >= 0")
         if self.reevaluate_interval < 1:

@@ -84,7 +84,13 @@ def measure_budget(*, spec: str, device: torch.device, group=None) -> Budget:
     return Budget(bytes=nbytes, free=free, spec=spec)
 
 
-def choose_cache(*, values_bytes: int, left: int) -> str:
-    """The fastest receiver cache that fits ``left`` bytes: ``values`` (the gathered values: a step's
-    later gathers send nothing) when its bytes fit, else ``exponents`` (one byte per value)."""
-    return "values" if values_bytes <= left else "exponents"
+CACHE_PREFERENCE = ("values", "two_level", "exponents")
+"""The receiver caches ``auto`` chooses between, fastest first: ``values`` (a step's later gathers
+send nothing), ``two_level`` (the same across nodes, from a cache of ``1/L`` of the values; raw
+within the node), ``exponents`` (one byte per value; every gather sends signs and mantissas)."""
+
+
+def choose_cache(*, sizes: dict[str, int], left: int) -> str:
+    """The fastest receiver cache of :data:`CACHE_PREFERENCE` offered in ``sizes`` (cache -> bytes
+    per rank) that fits ``left`` bytes; ``exponents`` (the smallest) when none does."""
+    return next((c for c in CACHE_PREFERENCE if c in sizes and sizes[c] <= left), "exponents")

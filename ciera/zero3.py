@@ -10,7 +10,9 @@ buffers and encodes each shard **once per optimizer step**:
   nothing of a target but its exponents, so each gather's fresh buffer is seeded with the cached
   exponents and decoded in place. ``values`` keeps the gathered values (the engine is handed the
   same persistent buffer every time, :meth:`Zero3Gather.allocate`): any codec, ``delta``
-  included. ``none`` keeps nothing: every gather is plain.
+  included. ``two_level`` keeps ``values`` of the shards of this rank's local index on every node
+  (``1/L`` of them) and gathers the rest raw within the node (:mod:`ciera.two_level`). ``none``
+  keeps nothing: every gather is plain.
 * **Once per step**: after :meth:`Zero3Gather.step` (the optimizer changed the shard) the next
   gather is *fresh*: encoded and agreed as in :class:`ciera.CieraAllGather`. Every later gather of
   the step is a *replay*: nothing is encoded; every rank says its shard is unchanged, with the
@@ -27,6 +29,7 @@ encoded at every gather.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from typing import Callable
@@ -38,10 +41,11 @@ from .codecs.formats import FORMATS, as_bits, float_format
 from .comm import all_gather_into
 from .config import CieraConfig
 from .cost_model import StepShape
-from .gather import CieraAllGather, Phase
+from .gather import CieraAllGather, Phase, _DoneHandle
 from .memory import Budget, choose_cache, measure_budget
 from .selection import Measurements
 from .stats import GatherStats
+from .two_level import NodeGroups, NodeLayout, TwoLevel, group_layout, node_size, split_group
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +86,7 @@ class Zero3Gather:
         self.group, self.name, self.stepped = group, name, stepped
         self._measurements, self._source, self._units = measurements, source, units
         self._inner: CieraAllGather | None = None
+        self._two: TwoLevel | None = None  # cache='two_level': the gather across nodes and within
         self._handle: Zero3Handle | None = None
         self._values: torch.Tensor | None = None  # cache='values': the persistent gathered buffer
         self._exps: torch.Tensor | None = None  # cache='exponents': [world, n] uint8
@@ -102,7 +107,7 @@ class Zero3Gather:
     def allocate(self, *, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The output buffer of the next gather: with ``cache='values'`` the same persistent buffer
         every time (it is the cache); otherwise a new one the engine may free."""
-        if self.cache != "values" or dtype not in FORMATS:
+        if self.cache != "values" or dtype not in FORMATS:  # (two_level: its cache is 1/L of this buffer)
             return torch.empty(numel, dtype=dtype, device=device)
         return self._persistent(numel=numel, dtype=dtype, device=device)
 
@@ -142,6 +147,8 @@ class Zero3Gather:
         n = input.numel()
         if self.cache is None:
             self._choose_cache(numel=output.numel(), world=world, dtype=output.dtype, device=output.device)
+        if self.cache == "two_level":
+            return self._start_two_level(output=output, input=input)
         buffer = output if self.cache != "values" else self._persistent(
             numel=output.numel(), dtype=output.dtype, device=output.device)
         own = buffer.view(world, n)[rank]
@@ -177,8 +184,25 @@ class Zero3Gather:
         if fresh:
             self.fresh_gathers += 1
             self._fresh = False
-        self._handle = Zero3Handle(work=inner.start(), finish=lambda: self._finish(
+        work = inner.start()
+        self._handle = Zero3Handle(work=work, ready=isinstance(work, _DoneHandle), finish=lambda: self._finish(
             buffer=buffer, output=output, own=own, replayed=plan.replay, staged=mode == "ahead"))
+        return self._handle
+
+    def _start_two_level(self, *, output: torch.Tensor, input: torch.Tensor):
+        """``cache='two_level'``: the unit's gather is :class:`ciera.two_level.TwoLevel`'s, whose
+        stage across nodes is a ``values`` :class:`Zero3Gather` over the inter group (registered with
+        this unit's :class:`Zero3Units`: prepared after the step with its group's other units)."""
+        if self._two is None:
+            units = self._units if self._units is not None else Zero3Units()
+            groups = units.node_groups(self.group, self._layout)
+            stage1 = Zero3Gather(group=groups.inter, config=dataclasses.replace(self.config, cache="values"),
+                                 name=f"{self.name}.nodes", stepped=self.stepped, source=self._source,
+                                 measurements=units.measurements(groups.inter), units=self._units)
+            self._two = TwoLevel(stage1=stage1, groups=groups)
+        stage1 = self._two.stage1
+        self._handle = self._two.start(output=output, input=input)
+        self.fresh_gathers, self.gather_prepares = stage1.fresh_gathers, stage1.gather_prepares
         return self._handle
 
     def _compresses(self) -> bool:
@@ -206,6 +230,8 @@ class Zero3Gather:
         """The shard changed (call after every optimizer step, on every rank): the next gather
         encodes. The step's gather count tells the cost model how often a fresh payload serves.
         (:meth:`Zero3Units.step` calls this for every unit, then prepares them together.)"""
+        if self._two is not None:
+            self._two.stage1.step()
         if self._inner is not None and self._inner.selector is not None and self.gathers_this_step:
             exps = self.cache == "exponents"
             self._inner.selector.shape = StepShape(gathers=self.gathers_this_step, replays_send=exps,
@@ -233,6 +259,8 @@ class Zero3Gather:
 
     def raise_pending_errors(self, *, wait: bool = True) -> None:
         """See :meth:`ciera.CieraAllGather.raise_pending_errors`."""
+        if self._two is not None:
+            self._two.stage1.raise_pending_errors(wait=wait)
         if self._inner is not None:
             self._inner.raise_pending_errors(wait=wait)
 
@@ -240,6 +268,8 @@ class Zero3Gather:
         """After any write to the shard outside the optimizer step (checkpoint load): the next
         gather is raw on every rank and refills the caches."""
         self._fresh = True
+        if self._two is not None:
+            self._two.stage1.invalidate()
         if self._inner is not None:
             self._inner.invalidate()
 
@@ -248,11 +278,16 @@ class Zero3Gather:
     def cache_bytes(self) -> int:
         """Bytes this rank keeps between gathers: the receiver cache plus its copy of its own last
         sent shard (0 before the first gather)."""
+        if self._two is not None:
+            return self._two.stage1.cache_bytes
         return sum(t.numel() * t.element_size() for t in (self._values, self._exps, self._sent) if t is not None)
 
     @property
     def stats(self) -> GatherStats:
-        """Cumulative counters (the inner gather's plus the plain gathers')."""
+        """Cumulative counters (the inner gather's plus the plain gathers'; ``two_level``: its
+        gather across nodes, what crosses them)."""
+        if self._two is not None:
+            return self._two.stage1.stats
         if self._inner is None:
             return dataclasses.replace(self._plain)
         s = self._inner.stats
@@ -271,19 +306,27 @@ class Zero3Gather:
                              f"{self._values.dtype}: one Zero3Gather serves one parameter group")
         return self._values
 
+    @functools.cached_property
+    def _layout(self) -> NodeLayout | None:
+        """The group's node layout when two levels are possible (several nodes of several ranks)."""
+        layout = group_layout(self.group, ranks_per_node=node_size(self.config.node_size))
+        return layout if layout is not None and layout.useful else None
+
     def _choose_cache(self, *, numel: int, world: int, dtype: torch.dtype, device: torch.device) -> None:
         """``cache='auto'``: ``values`` when this unit's values cache fits what is left of the budget
         (its :class:`Zero3Units`', else one measured now over the unit's group), else ``exponents``.
         Rank-identical: the budget is the smallest over the ranks, units choose in gather order."""
-        sizes = _auto_sizes(numel=numel, world=world, dtype=dtype)
+        sizes = _auto_sizes(numel=numel, world=world, dtype=dtype, nodes=self._layout.nodes if self._layout else 1)
         units = self._units if self._units is not None else Zero3Units()
         if units.budget is None:
             units.budget = measure_budget(spec=self.config.cache_budget, device=device, group=self.group)
         self.cache = units.take(sizes)
         if self.cache == "exponents" and self.config.codec in ("delta", "delta_ans"):
             raise ValueError(f"{self.name}: codec={self.config.codec!r} needs cache='values' ({sizes['values']} bytes per "
-                             f"rank), over what is left of the cache budget {units.budget.describe()}: raise "
-                             f"--ciera-cache-budget or choose codec 'exponent_reuse' or 'auto'")
+                             f"rank) or 'two_level' ({sizes.get('two_level', 'not possible:')} bytes per rank"
+                             f"{'' if 'two_level' in sizes else ' one node, or one rank per node'}), over what is "
+                             f"left of the cache budget {units.budget.describe()}: raise --ciera-cache-budget or "
+                             f"choose codec 'exponent_reuse' or 'auto'")
 
     def _build(self, buffer: torch.Tensor) -> CieraAllGather:
         config = dataclasses.replace(self.config, cache=self.cache)
@@ -342,11 +385,27 @@ class Zero3Units:
         self.chosen: dict[str, int] = {}
         """``cache='auto'``: units per cache chosen so far."""
         self._spent = 0
+        self._node_groups: dict[int, NodeGroups] = {}  # id(group) -> its inter and intra groups
+        self._measurements: dict[int, Measurements] = {}  # id(inter group) -> its link's measurements
+
+    def node_groups(self, group, layout: NodeLayout | None) -> NodeGroups:
+        """This rank's inter and intra groups of ``group`` (created at the first call for the group: a
+        collective among their members, at the same point on every rank of ``group``)."""
+        if layout is None:
+            raise ValueError("cache='two_level' needs a process group of several nodes of several ranks each, numbered "
+                             "node by node (set LOCAL_WORLD_SIZE or CieraConfig.node_size / --ciera-node-size)")
+        if id(group) not in self._node_groups:
+            self._node_groups[id(group)] = split_group(group, layout=layout)
+        return self._node_groups[id(group)]
+
+    def measurements(self, group) -> Measurements:
+        """The shared link and codec measurements of a group the units create (an inter group)."""
+        return self._measurements.setdefault(id(group), Measurements())
 
     def take(self, sizes: dict[str, int]) -> str:
-        """A unit's cache under the budget: ``values`` while ``sizes['values']`` fits what is left,
-        else ``exponents``; its bytes are spent either way."""
-        cache = choose_cache(values_bytes=sizes["values"], left=self.budget.bytes - self._spent)
+        """A unit's cache under the budget: the fastest of ``sizes`` that fits what is left
+        (:func:`ciera.memory.choose_cache`), else ``exponents``; its bytes are spent either way."""
+        cache = choose_cache(sizes=sizes, left=self.budget.bytes - self._spent)
         self._spent += sizes[cache]
         self.chosen[cache] = self.chosen.get(cache, 0) + 1
         return cache
@@ -372,8 +431,10 @@ class Zero3Units:
 class Zero3Handle:
     """Returned by :meth:`Zero3Gather.start`; :meth:`wait` completes the gather. Idempotent."""
 
-    def __init__(self, *, work, finish=None):
+    def __init__(self, *, work, finish=None, ready: bool = False):
         self._work, self._finish = work, finish
+        self.ready = ready
+        """No collective was posted (a replay into the values cache): ``wait()`` only finishes."""
         self.done = False
 
     def wait(self) -> None:
@@ -435,25 +496,31 @@ def store_exponents(values: torch.Tensor, exps: torch.Tensor) -> None:
     exps.add_(high, alpha=2)
 
 
-def cache_bytes_per_rank(*, numel: int, world: int, dtype: torch.dtype, cache: str) -> int:
+def cache_bytes_per_rank(*, numel: int, world: int, dtype: torch.dtype, cache: str, nodes: int = 1) -> int:
     """What :class:`Zero3Gather` keeps per rank for a parameter group of ``numel`` gathered values
-    (padded to ``world``): the receiver cache plus the sender's copy of its shard."""
+    (padded to ``world``): the receiver cache plus the sender's copy of its shard. ``nodes``: the
+    nodes the group spans (``two_level`` keeps the values of one shard per node)."""
     shard = math.ceil(numel / world)
     item = float_format(dtype).itemsize
+    if cache == "two_level":
+        return nodes * shard * item + shard * item
     per_value = {"values": item, "exponents": 1, "none": 0}[cache]  # (a concrete cache: see plan_caches for auto)
     return 0 if cache == "none" else world * shard * per_value + shard * item
 
 
-def plan_caches(units: list[tuple[int, int, torch.dtype]], *, cache: str, budget: Budget | None) -> list[str]:
-    """The cache each unit ``(numel, world, dtype)`` would get, in order: ``cache`` itself, or for
-    ``auto`` what :class:`Zero3Units` chooses under ``budget`` when the units gather in this order
-    (what a binding logs at start-up)."""
+def plan_caches(units: list[tuple], *, cache: str, budget: Budget | None) -> list[str]:
+    """The cache each unit ``(numel, world, dtype[, nodes])`` would get, in order: ``cache`` itself,
+    or for ``auto`` what :class:`Zero3Units` chooses under ``budget`` when the units gather in this
+    order (what a binding logs at start-up). ``nodes``: the nodes the unit's group spans when two
+    levels are possible (several of several ranks each), else 1."""
     if cache != "auto":
         return [cache] * len(units)
     plan = Zero3Units(budget=budget)
-    return [plan.take(_auto_sizes(numel=n, world=w, dtype=d)) for n, w, d in units]
+    return [plan.take(_auto_sizes(numel=u[0], world=u[1], dtype=u[2], nodes=u[3] if len(u) > 3 else 1)) for u in units]
 
 
-def _auto_sizes(*, numel: int, world: int, dtype: torch.dtype) -> dict[str, int]:
-    """The bytes per rank of each cache ``auto`` chooses between, for one unit."""
-    return {c: cache_bytes_per_rank(numel=numel, world=world, dtype=dtype, cache=c) for c in ("values", "exponents")}
+def _auto_sizes(*, numel: int, world: int, dtype: torch.dtype, nodes: int = 1) -> dict[str, int]:
+    """The bytes per rank of each cache ``auto`` chooses between, for one unit (``two_level`` only
+    when ``nodes > 1``: the caller found two levels possible)."""
+    caches = ("values", "two_level", "exponents") if nodes > 1 else ("values", "exponents")
+    return {c: cache_bytes_per_rank(numel=numel, world=world, dtype=dtype, cache=c, nodes=nodes) for c in caches}

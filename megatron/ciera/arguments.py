@@ -206,15 +206,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"every N gathers, compare a 64-bit hash of every gathered shard across ranks "
                         f"and stop naming the bucket on a mismatch (default {d.verify_interval}; 0: off). "
                         "For debugging or new hardware; costs one small collective per check")
-    g.add_argument("--ciera-cache", choices=["auto", "values", "exponents", "none"], default=None,
+    g.add_argument("--ciera-cache", choices=["auto", "values", "two_level", "exponents", "none"], default=None,
                    help=f"with --use-torch-fsdp2 or --use-megatron-fsdp (ZeRO-3: the gathered parameters are freed "
                         f"after use), what each rank keeps of the others' shards between gathers (default {d.cache}), "
                         "per parameter of the unsharded model, plus a copy of its own shard. values: the gathered "
                         "values (2 bytes per bf16 parameter), any codec, and a step's later gathers send nothing; "
+                        "two_level: values of one shard per node (1/L of values with L ranks per node) gathered "
+                        "compressed across nodes, then a raw gather within each node; "
                         "exponents: 1 byte per parameter, exponent_reuse only (the paper's design); auto: values for "
-                        "every unit that fits --ciera-cache-budget, exponents for the rest (the start-up log names "
-                        "the choice); none: every gather plain. Ignored where the gathered buffer persists (the "
+                        "every unit that fits --ciera-cache-budget, else two_level where the group spans several "
+                        "nodes of several ranks and it fits, else exponents (the start-up log names the choice); "
+                        "none: every gather plain. Ignored where the gathered buffer persists (the "
                         "distributed optimizer; Megatron-FSDP's optim and optim_grads)")
+    g.add_argument("--ciera-node-size", type=int, default=None, metavar="N",
+                   help="ranks per node for --ciera-cache two_level and auto (global rank g on node g // N; "
+                        "default: the launcher's LOCAL_WORLD_SIZE)")
     g.add_argument("--ciera-cache-budget", default=None, metavar="SIZE",
                    help=f"with --ciera-cache auto: memory per rank the ZeRO-3 caches may keep, a share of what is free "
                         f"once the model and optimizer are built (on CPU: the host's available RAM shared by its "
@@ -815,6 +821,7 @@ def ciera_config_from_args(args: argparse.Namespace):
         "verify_interval": args.ciera_verify_interval,
         "cache": args.ciera_cache,
         "cache_budget": args.ciera_cache_budget,
+        "node_size": args.ciera_node_size,
         "per_rank_sizes": args.ciera_per_rank_sizes,
     }
     return CieraConfig(**{k: v for k, v in fields.items() if v is not None})

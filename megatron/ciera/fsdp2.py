@@ -158,17 +158,21 @@ def _unit_shard(unit, world: int) -> tuple[int, torch.dtype | None]:
     return total, dtype
 
 
-def planned_units(model) -> tuple[list[tuple[int, int, torch.dtype]], int]:
-    """Every unit that gathers, as ``(numel gathered, world, dtype)`` in module order, and the bytes
-    of the sharded parameters per rank: from the units' parameters before any gather."""
+def planned_units(model, *, node_size: int = 0) -> tuple[list[tuple[int, int, torch.dtype, int]], int]:
+    """Every unit that gathers, as ``(numel gathered, world, dtype, nodes)`` in module order, and the
+    bytes of the sharded parameters per rank: from the units' parameters before any gather.
+    ``nodes``: see :func:`ciera.two_level.nodes_of`."""
+    from ciera.two_level import nodes_of
+
     units, sharded = [], 0
     for chunk in model:
         world = chunk.device_mesh.size()
+        nodes = nodes_of(chunk.device_mesh.get_group(), configured=node_size)
         for _, unit in _units(chunk):
             n, dtype = _unit_shard(unit, world)
             if n:
                 sharded += n * dtype.itemsize
-                units.append((world * n, world, dtype))
+                units.append((world * n, world, dtype, nodes))
     return units, sharded
 
 
@@ -189,7 +193,7 @@ def install(model: list, config, optimizer_config=None, log: Callable[[str], Non
                                      stepped=True)
         setattr(chunk, _ATTR, gathers)
         n += sum(1 for _, unit in _units(chunk) if _unit_shard(unit, chunk.device_mesh.size())[0])
-    units, sharded = planned_units(model)
+    units, sharded = planned_units(model, node_size=config.node_size)
     shared.log_planned_cache(log, config=config, units=units, sharded=sharded, budget=budget)
     return n
 

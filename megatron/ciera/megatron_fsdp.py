@@ -191,11 +191,12 @@ def _fsdp(chunk):
     return chunk.module
 
 
-def planned_units(model) -> tuple[list[tuple[int, int, torch.dtype]], int]:
-    """Every ZeRO-3 bucket that gathers through CIERA, as ``(numel gathered, world, dtype)`` in
-    bucket order, and the bytes of the sharded model weights per rank: from the buffers before any
-    gather."""
+def planned_units(model, *, node_size: int = 0) -> tuple[list[tuple[int, int, torch.dtype, int]], int]:
+    """Every ZeRO-3 bucket that gathers through CIERA, as ``(numel gathered, world, dtype, nodes)``
+    in bucket order, and the bytes of the sharded model weights per rank: from the buffers before any
+    gather. ``nodes``: see :func:`ciera.two_level.nodes_of`."""
     import torch.distributed as dist
+    from ciera.two_level import nodes_of
 
     units, sharded = [], 0
     for chunk in model:
@@ -207,7 +208,8 @@ def planned_units(model) -> tuple[list[tuple[int, int, torch.dtype]], int]:
             world = dist.get_world_size(wbuf.data_parallel_group)
             sharded += shard.numel() * shard.element_size()
             if shard.dtype in _GATHER_DTYPES:
-                units.append((world * shard.numel(), world, shard.dtype))
+                units.append((world * shard.numel(), world, shard.dtype,
+                              nodes_of(wbuf.data_parallel_group, configured=node_size)))
     return units, sharded
 
 
@@ -229,7 +231,7 @@ def install(model: list, config, optimizer_config=None, log: Callable[[str], Non
         patch.on_shard_written(fsdp.param_and_grad_buffer, gathers.step)
         setattr(chunk, _ATTR, gathers)
         n += fsdp.all_gather_pipeline.num_buckets
-    units, sharded = planned_units(model)
+    units, sharded = planned_units(model, node_size=config.node_size)
     shared.log_planned_cache(log, config=config, units=units, sharded=sharded, budget=budget)
     plain = _plain_buckets(model)
     if plain and log is not None:

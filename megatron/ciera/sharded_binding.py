@@ -46,14 +46,14 @@ def measure_budget(model, config):
 
 
 def log_planned_cache(log: Callable[[str], None] | None, *, config, units: list, sharded: int, budget) -> None:
-    """The start-up line: the cache each ZeRO-3 unit ``(numel, world, dtype)`` gets (``auto``: under
+    """The start-up line: the cache each ZeRO-3 unit ``(numel, world, dtype, nodes)`` gets (``auto``: under
     ``budget``, in this order), its bytes per rank, beside the sharded parameters'."""
     if log is None or not sharded:
         return
     from ciera.zero3 import cache_bytes_per_rank, plan_caches
 
     caches = plan_caches(units, cache=config.cache, budget=budget)
-    planned = sum(cache_bytes_per_rank(numel=n, world=w, dtype=d, cache=c) for (n, w, d), c in zip(units, caches))
+    planned = sum(cache_bytes_per_rank(numel=n, world=w, dtype=d, cache=c, nodes=k) for (n, w, d, k), c in zip(units, caches))
     kinds = sorted(set(caches), key=caches.index)
     name = "+".join(kinds)
     if len(kinds) > 1:

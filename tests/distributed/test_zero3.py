@@ -203,8 +203,8 @@ def _fsdp2_worker(rank, world, use_ciera, cache, micro_batches, steps):
     gathers = None
     if use_ciera:
         gathers = ciera.fsdp2.enable(model, optimizer=opt,
-                                     config=CieraConfig(codec="auto" if cache == "values" else "exponent_reuse",
-                                                        selection="always", cache=cache))
+                                     config=CieraConfig(codec="exponent_reuse" if cache == "exponents" else "auto",
+                                                        selection="always", cache=cache, node_size=2))
     gen = torch.Generator().manual_seed(100 + rank)
     losses = []
     for _ in range(steps):
@@ -450,3 +450,16 @@ def test_fsdp2_one_agreement_per_step_and_no_host_read_in_its_gathers(micro_batc
             assert all(not r for r in reads[1:]), (cache, reads)
             assert orders == plain_orders, cache
             assert orders[-1].count(("start", "blocks.0")) == 2 * micro_batches  # forward and backward
+
+
+def test_fsdp2_training_is_bit_identical_with_the_two_level_cache():
+    """Four ranks as two nodes of two: FSDP2's units gather across nodes from a cache of half the
+    values, within the node raw; the losses and final parameters are the plain run's."""
+    steps, micro = 4, 2
+    plain = run_on_ranks(_fsdp2_worker, world=4, args=(False, "two_level", micro, steps))
+    ciera_runs = run_on_ranks(_fsdp2_worker, world=4, args=(True, "two_level", micro, steps))
+    for (l0, h0, _), (l1, h1, info) in zip(plain, ciera_runs):
+        assert (l0, h0) == (l1, h1), "losses or final params differ"
+        stats, units, cache_bytes = info
+        assert stats.compressed_gathers > 0 and stats.wire_bytes < stats.raw_bytes
+        assert all(fresh == steps for fresh, _ in units.values()), units

@@ -299,3 +299,17 @@ def test_megatron_fsdp_zero3_one_micro_batch_agrees_once_per_step():
     assert result.losses == base.losses and result.sha256 == base.sha256
     agreed = re.search(r"^CIERA ZeRO-3 agreements: (\d+) after optimizer steps .*, (\d+) in gathers", result.output, re.M)
     assert int(agreed.group(2)) == len(encodes(result)) and int(agreed.group(1)) in (ITERS, 2 * ITERS)
+
+
+def test_megatron_fsdp_zero3_two_level_cache_is_bit_identical_on_two_nodes_of_two():
+    """Four ranks as two nodes of two (--ciera-node-size 2): every ZeRO-3 bucket gathers compressed
+    across nodes from a cache of half the values, raw within the node; bit for bit, and the cache
+    planned at start-up is the one measured."""
+    flags = strategy("optim_grads_params")
+    base = run(*flags, nproc=4, gbs=16)
+    result = run(*flags, "--ciera-allgather", "--ciera-selection", "always", "--ciera-codec", "delta",
+                 "--ciera-cache", "two_level", "--ciera-node-size", "2", nproc=4, gbs=16)
+    assert (result.losses, result.sha256) == (base.losses, base.sha256)
+    planned = re.search(r"^CIERA ZeRO-3 cache \(two_level\): [\d.]+ MiB \((\d+) bytes\) per rank", result.output, re.M)
+    measured = re.search(r"^CIERA ZeRO-3 cache: [\d.]+ MiB \((\d+) bytes\) per rank .*\(measured\)$", result.output, re.M)
+    assert planned and measured and int(planned.group(1)) == int(measured.group(1)) > 0, result.output[-3000:]
