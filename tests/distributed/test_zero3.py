@@ -452,6 +452,7 @@ def test_fsdp2_one_agreement_per_step_and_no_host_read_in_its_gathers(micro_batc
             assert orders[-1].count(("start", "blocks.0")) == 2 * micro_batches  # forward and backward
 
 
+@pytest.mark.slow  # (the default run has the unit test in test_two_level and Megatron-FSDP's through pretrain_gpt.py)
 def test_fsdp2_training_is_bit_identical_with_the_two_level_cache():
     """Four ranks as two nodes of two: FSDP2's units gather across nodes from a cache of half the
     values, within the node raw; the losses and final parameters are the plain run's."""

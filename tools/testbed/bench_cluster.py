@@ -49,6 +49,8 @@ TRAIN_MODES = {
     "default": ["--ciera-allgather"],  # what a user adds: every --ciera-* flag at its default
     "cache-values": ["--ciera-allgather", "--ciera-cache", "values"],
     "cache-exponents": ["--ciera-allgather", "--ciera-cache", "exponents"],
+    # compressed across hosts from a cache of one shard per host, raw within (LOCAL_WORLD_SIZE from torchrun)
+    "cache-two-level": ["--ciera-allgather", "--ciera-cache", "two_level"],
     "auto": ["--ciera-allgather", "--ciera-selection", "auto", "--ciera-codec", "auto"],
     "exponent_reuse": ["--ciera-allgather", "--ciera-selection", "always", "--ciera-codec", "exponent_reuse"],
     "delta": ["--ciera-allgather", "--ciera-selection", "always", "--ciera-codec", "delta"],
@@ -78,14 +80,16 @@ def timer_ms(text: str) -> dict[str, float]:
 
 def train_flags(*, hidden: int, layers: int, experts: int, iters: int, seq: int, dp: int,
                 bucket_size: int | None = None, moe_ffn: int | None = None,
-                extra_flags: tuple[str, ...] = ()) -> list[str]:
+                extra_flags: tuple[str, ...] = (), drop_flags: tuple[str, ...] = ()) -> list[str]:
     """bench_training's model, made communication-bound: short sequences, one micro-batch per rank
     (params large relative to compute: top-2 of many experts); ``bucket_size`` (``--ddp-bucket-size``)
     splits the params into several buckets, so that overlapped gathers pipeline; ``moe_ffn``
     (``--moe-ffn-hidden-size``, default ``hidden``) sizes each expert; ``extra_flags`` are appended
-    as given (e.g. ``--grad-reduce-in-bf16``, ``--timing-log-level 1``)."""
+    as given (e.g. ``--grad-reduce-in-bf16``, ``--timing-log-level 1``); ``drop_flags`` (switches
+    without a value) are left out of the base (``--use-distributed-optimizer`` for FSDP2)."""
     extra = [] if bucket_size is None else ["--ddp-bucket-size", str(bucket_size)]
-    base = model_flags(hidden=hidden, layers=layers, experts=experts, ep=1, iters=iters)
+    base = [f for f in model_flags(hidden=hidden, layers=layers, experts=experts, ep=1, iters=iters)
+            if f not in drop_flags]
     if moe_ffn is not None:
         base[base.index("--moe-ffn-hidden-size") + 1] = str(moe_ffn)
     return base + [
@@ -132,7 +136,7 @@ def bench_train(tb, *, nproc, flags, mode, overlap, timeout, work: Path) -> dict
     f = list(flags) + TRAIN_MODES[mode] + ["--ciera-loss-log", str(loss_log)]
     if "--ciera-allgather" in f:
         f.append("--ciera-log-buckets")  # each bucket's selection line: the simulator reads its bytes
-    if not overlap:
+    if not overlap and "--overlap-param-gather" in f:
         f.remove("--overlap-param-gather")
     logs = _torchrun_all(tb, [str(ROOT / "pretrain_gpt.py"), *f], nproc=nproc, timeout=timeout, log_dir=work)
     text = "\n".join(logs)
@@ -280,6 +284,9 @@ def main(argv=None) -> int:
     p.add_argument("--extra-flags", default="",
                    help="more pretrain_gpt.py flags for every training run, one string "
                         "(e.g. '--grad-reduce-in-bf16 --timing-log-level 1')")
+    p.add_argument("--drop-flags", default="",
+                   help="base flags to leave out of every training run, one string (e.g. "
+                        "'--use-distributed-optimizer --overlap-param-gather' for --use-torch-fsdp2)")
     p.add_argument("--repeats", type=int, default=2, help="training runs per mode, order rotated")
     p.add_argument("--no-gather", action="store_true")
     p.add_argument("--gloo-probe-reps", type=int, default=15,
@@ -304,7 +311,8 @@ def main(argv=None) -> int:
             hosts, nproc = (int(x) for x in layout.split("x"))
             dp = hosts * nproc
             flags = train_flags(hidden=a.hidden, layers=a.layers, experts=a.experts, iters=a.iters, seq=a.seq, dp=dp,
-                                bucket_size=a.bucket_size, moe_ffn=a.moe_ffn, extra_flags=tuple(a.extra_flags.split()))
+                                bucket_size=a.bucket_size, moe_ffn=a.moe_ffn, extra_flags=tuple(a.extra_flags.split()),
+                                drop_flags=tuple(a.drop_flags.split()))
             for rate in a.rates:
                 cfg = {"layout": layout, "hosts": hosts, "nproc": nproc, "rate": rate, "train": [],
                        "cores": os.cpu_count()}
@@ -355,7 +363,7 @@ def main(argv=None) -> int:
                 cfg["sync_waves"] = 1
                 cfg["model"] = {"hidden": a.hidden, "layers": a.layers, "experts": a.experts, "seq": a.seq, "dp": dp,
                                 "iters": a.iters, "bucket_size": a.bucket_size, "moe_ffn": a.moe_ffn,
-                                "extra_flags": a.extra_flags}
+                                "extra_flags": a.extra_flags, "drop_flags": a.drop_flags}
                 try:
                     cfg["sim"] = simulate(cfg)
                 except Exception as e:  # the measurement stands without the simulator's column
