@@ -3,7 +3,7 @@
 import pytest
 
 from tools.testbed.bench_cluster import report
-from tools.testbed.sim_testbed import predict
+from tools.testbed.sim_testbed import link_for, predict
 
 
 def _cfg():
@@ -258,3 +258,29 @@ def test_gathers_started_at_once_in_waves_overlap_encode_decode_and_the_wire():
     free = CodecEstimate("delta", wire_ratio=0.5, speed=CodecSpeed(encode_bytes_per_s=1e30, decode_bytes_per_s=1e30))
     assert compressed_sequence(link, world=2, buckets=buckets, estimate=free, waves=1, agreement_s=1e-3) == \
         pytest.approx(compressed_sequence(link, world=2, buckets=buckets, estimate=free) + 1e-3)
+
+
+def test_zero3_training_prediction_hand_computed():
+    """ZeRO-3 (Megatron-FSDP optim_grads_params): the baseline less its gathers' link time plus the
+    CIERA run's wire bytes on the link and its own codec timers; two-level's wire crosses hosts in
+    a group of one rank per host."""
+    cfg = _cfg()
+    cfg.pop("gather")
+    cfg["model"] = {"iters": 10, "extra_flags": "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"}
+    cfg["train"] = [
+        {"mode": "baseline", "overlap": False, "ms": 100.0, "raw_mb": None, "wire_mb": None, "timers_ms": {}},
+        {"mode": "default", "overlap": False, "ms": 80.0, "raw_mb": 40.0, "wire_mb": 4.0,
+         "timers_ms": {"ciera-encode": 2.0, "ciera-decode": 1.0}},
+        {"mode": "cache-values", "overlap": False, "ms": 80.0, "raw_mb": 40.0, "wire_mb": 4.0, "timers_ms": {}},
+    ]
+    sim = predict(cfg)["train"]
+    raw_ms = 40e6 / 10 / 2 / 1e8 * 1e3  # each rank's shard of one iteration's gathers, on a ring of 2
+    wire_ms = 4e6 / 10 / 2 / 1e8 * 1e3
+    assert sim["default:sync"] == pytest.approx(100 - raw_ms + wire_ms + 2.0 + 1.0)
+    assert "cache-values:sync" not in sim  # no codec timers (--timing-log-level 0): no prediction
+    cfg["hosts"], cfg["nproc"], cfg["layout"] = 2, 2, "2x2"
+    cfg["train"][2].update(mode="cache-two-level", timers_ms={"ciera-encode": 2.0, "ciera-decode": 1.0})
+    sim = predict(cfg)["train"]
+    link = link_for(cfg)  # 4 ranks on 2 hosts: the raw gather's ring crosses the host link
+    raw_s = link.allgather_time(bytes_per_rank=40e6 / 10 / 4, world=4)
+    assert sim["cache-two-level:sync"] == pytest.approx(100 - raw_s * 1e3 + wire_ms + 3.0)

@@ -324,6 +324,9 @@ def predict(cfg: dict, *, single_core: dict[str, CodecSpeed] | None = None) -> d
                                            decode_ms=s.get("decode_ms_max", s["decode_ms"]))
             est = CodecEstimate(name, wire_ratio=s["wire_bytes"] / s["raw_bytes"], speed=speeds[name])
             out["gather"][m] = compressed(shard=shard, world=world, est=est) * 1e3
+    if is_zero3(cfg):
+        out["train"] = predict_zero3_train(cfg, link)
+        return out
     world = cfg["hosts"] * cfg["nproc"]
     gathers = cfg.get("model", {}).get("iters", 0) + 1
     out["train_gather"] = {}  # one iteration's param gathers (Megatron's params-all-gather timer, sync)
@@ -364,6 +367,46 @@ def predict(cfg: dict, *, single_core: dict[str, CodecSpeed] | None = None) -> d
         timed = None if t["overlap"] else (base.get("timers_ms") or {}).get("params-all-gather")
         out["train"][key] = base["ms"] + c_s * 1e3 - (timed if timed else raw_iteration(shard) * 1e3)
         out["train_gather"][key] = c_s * 1e3
+    return out
+
+
+ZERO3_FLAGS = ("optim_grads_params", "--use-torch-fsdp2")
+
+
+def is_zero3(cfg: dict) -> bool:
+    """Whether the configuration's training runs are ZeRO-3 (Megatron-FSDP ``optim_grads_params`` or
+    FSDP2): every unit gathered in each forward and backward, the caches of :mod:`ciera.zero3`."""
+    flags = str(cfg.get("model", {}).get("extra_flags", ""))
+    return any(f in flags for f in ZERO3_FLAGS)
+
+
+def predict_zero3_train(cfg: dict, link) -> dict[str, float]:
+    """ZeRO-3 training (ms per iteration): the measured baseline, less the link time of what its
+    gathers bring each rank in one iteration, plus the link time of what CIERA's bring (the run's
+    wire bytes: the fresh payloads; replays of the values cache send nothing) and the run's own codec
+    time (its ``ciera-encode`` + ``ciera-decode`` timers, slowest rank; none without
+    ``--timing-log-level 1``). The gathers sit on the critical path (on this CPU testbed prefetch
+    hides nothing). ``cache-two-level``: its wire bytes cross hosts in a group of one rank per
+    host; the raw gather within the host is left out (loopback)."""
+    out: dict[str, float] = {}
+    iters = max(1, cfg.get("model", {}).get("iters", 1))
+    world = cfg["hosts"] * cfg["nproc"]
+    base = next((b for b in cfg.get("train", []) if b["mode"] == "baseline"), None)
+    if not base or not base.get("ms"):
+        return out
+    raw_mb = next((t["raw_mb"] for t in cfg["train"] if t.get("raw_mb") and t["mode"] != "cache-two-level"), None)
+    for t in cfg["train"]:
+        key = f"{t['mode']}:{'overlap' if t['overlap'] else 'sync'}"
+        if t["mode"] == "baseline":
+            out[key] = base["ms"]
+            continue
+        tm = t.get("timers_ms") or {}
+        if raw_mb is None or not t.get("wire_mb") or "ciera-encode" not in tm:
+            continue
+        raw_s = link.allgather_time(bytes_per_rank=raw_mb * 1e6 / iters / world, world=world)
+        group = cfg["hosts"] if t["mode"] == "cache-two-level" else world
+        wire_s = link.allgather_time(bytes_per_rank=t["wire_mb"] * 1e6 / iters / group, world=group)
+        out[key] = base["ms"] - raw_s * 1e3 + wire_s * 1e3 + tm["ciera-encode"] + tm.get("ciera-decode", 0.0)
     return out
 
 
