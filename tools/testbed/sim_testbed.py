@@ -404,8 +404,9 @@ def predict_zero3_train(cfg: dict, link) -> dict[str, float]:
         if raw_mb is None or not t.get("wire_mb") or "ciera-encode" not in tm:
             continue
         raw_s = link.allgather_time(bytes_per_rank=raw_mb * 1e6 / iters / world, world=world)
-        group = cfg["hosts"] if t["mode"] == "cache-two-level" else world
-        wire_s = link.allgather_time(bytes_per_rank=t["wire_mb"] * 1e6 / iters / group, world=group)
+        two = t["mode"] == "cache-two-level"
+        group, across = (cfg["hosts"], getattr(link, "inter", link)) if two else (world, link)
+        wire_s = across.allgather_time(bytes_per_rank=t["wire_mb"] * 1e6 / iters / group, world=group)
         out[key] = base["ms"] - raw_s * 1e3 + wire_s * 1e3 + tm["ciera-encode"] + tm.get("ciera-decode", 0.0)
     return out
 
