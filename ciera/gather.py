@@ -802,10 +802,11 @@ def _propose_agree_apply(gathers: list[CieraAllGather], *, group, replays) -> li
         if g._stale_unreported:
             g._stale.zero_()  # in stream order after the table's copy of it
             g._stale_unreported = False
-    stale = [(g.name, ranks) for g, column in zip(gathers, table) if (ranks := stale_ranks(column))]
+    globally = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+    stale = [(g.name, [globally(r) for r in ranks]) for g, column in zip(gathers, table) if (ranks := stale_ranks(column))]
     if stale:  # (every gather goes back to idle in _prepare, caches dropped: every rank raises)
         raise StaleReplayError(
-            "; ".join(f"{name}: rank(s) {list(ranks)}" for name, ranks in stale)
+            "; ".join(f"{name}: rank(s) {ranks}" for name, ranks in stale)  # (global ranks)
             + ": a shard changed between gathers of one optimizer step that reused its plan (a write to the "
               "parameters outside the optimizer step without invalidate()); those gathers delivered the earlier "
               "values, so training cannot go on bit-exact: resume from the last checkpoint")

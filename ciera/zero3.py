@@ -41,6 +41,7 @@ from .codecs.formats import FORMATS, as_bits, float_format
 from .comm import all_gather_into
 from .config import CieraConfig
 from .cost_model import StepShape
+from .errors import CieraVerifyError
 from .gather import CieraAllGather, Phase, _DoneHandle
 from .memory import Budget, choose_cache, measure_budget
 from .selection import Measurements
@@ -385,7 +386,7 @@ class Zero3Units:
         self.chosen: dict[str, int] = {}
         """``cache='auto'``: units per cache chosen so far."""
         self._spent = 0
-        self._node_groups: dict[int, NodeGroups] = {}  # id(group) -> its inter and intra groups
+        self._node_groups: dict[int, tuple[object, NodeGroups]] = {}  # id(group) -> (group, its inter and intra)
         self._measurements: dict[int, Measurements] = {}  # id(inter group) -> its link's measurements
 
     def node_groups(self, group, layout: NodeLayout | None) -> NodeGroups:
@@ -395,8 +396,8 @@ class Zero3Units:
             raise ValueError("cache='two_level' needs a process group of several nodes of several ranks each, numbered "
                              "node by node (set LOCAL_WORLD_SIZE or CieraConfig.node_size / --ciera-node-size)")
         if id(group) not in self._node_groups:
-            self._node_groups[id(group)] = split_group(group, layout=layout)
-        return self._node_groups[id(group)]
+            self._node_groups[id(group)] = (group, split_group(group, layout=layout))
+        return self._node_groups[id(group)][1]
 
     def measurements(self, group) -> Measurements:
         """The shared link and codec measurements of a group the units create (an inter group)."""
@@ -423,9 +424,32 @@ class Zero3Units:
         for u in self.units:
             if u.prepares_ahead():
                 groups.setdefault(id(u.group), (u.group, []))[1].append(u.stage())
+        failed: BaseException | None = None
         for group, inners in groups.values():
-            CieraAllGather.prepare_many(inners, group=group)
+            try:
+                CieraAllGather.prepare_many(inners, group=group)
+            except BaseException as exc:  # raised on every rank of this group
+                if not self._node_groups:
+                    raise
+                failed = failed or exc
             self.agreements += 1
+        if self._node_groups:
+            self._spread(failed)
+
+    def _spread(self, failed: BaseException | None) -> None:
+        """Two-level units agree within their node groups: an error raised in one (a stale replay, a
+        corrupt payload) reaches every rank of the whole group, here after the step, instead of
+        leaving the others to wait on it in the next gather. One small MAX all-reduce per group."""
+        for group, groups in self._node_groups.values():
+            flag = torch.tensor([0 if failed is None else 1], dtype=torch.int32)
+            if dist.get_backend(group) == "nccl":
+                flag = flag.cuda()
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            if failed is None and int(flag.item()):
+                raise CieraVerifyError(f"CIERA ZeRO-3: another node group of this process group failed its agreement "
+                                       f"after the optimizer step (its ranks raised the cause); stopping every rank")
+        if failed is not None:
+            raise failed
 
 
 class Zero3Handle:

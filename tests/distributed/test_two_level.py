@@ -39,6 +39,9 @@ def _worker(rank, world, cache, codec, steps, per_step, budget):
                     x = adversarial_step(x, kind=kinds[(step + rank + u) % len(kinds)], gen=gen, fraction=0.3)
                 current[u] = x
             units.step()
+        if step == steps // 2:  # a checkpoint load: the next gather is raw everywhere, then compressed again
+            for g in gathers:
+                g.invalidate()
         for k in range(per_step):
             for u, g in enumerate(gathers):
                 n = current[u].numel()
@@ -63,6 +66,7 @@ def test_two_level_bit_exact_with_one_agreement_per_step_across_nodes(codec):
         assert caches == ["two_level"] * 2
         assert agreements == steps - 1, "one agreement per step (the first step's gathers prepare themselves)"
         assert fresh == [steps, steps]
+        assert all(s.raw_gathers >= 2 for s in stats), "the first gather and the one after invalidate() are raw"
         for u, s in enumerate(stats):
             assert s.gathers == steps * per_step and s.failures == 0
             assert s.replays == steps * (per_step - 1)
@@ -116,3 +120,36 @@ def _refused_worker(rank, world):
 def test_two_level_on_one_node_is_refused_by_name():
     for msg in run_on_ranks(_refused_worker, world=2, timeout_s=60):
         assert msg is not None and "two_level" in msg and "several nodes" in msg, msg
+
+
+def _sneak_worker(rank, world):
+    """Rank 1 changes its shard within a step without ``step()``: at the next step its node group
+    (ranks 1 and 3) raises StaleReplayError, and the other node group stops too, right there."""
+    from ciera import CieraVerifyError, StaleReplayError
+
+    n = 500
+    traj = AdamTrajectory(numel=n, seed=rank)
+    shard = traj.step()
+    units = Zero3Units()
+    g = Zero3Gather(config=CieraConfig(codec="delta", selection="always", cache="two_level", node_size=2),
+                    name="unit-sneak", units=units, source=lambda out: out.copy_(shard))
+    for step in range(5):
+        if step:
+            shard = traj.step()
+            try:
+                units.step()
+            except CieraVerifyError as exc:
+                return step, type(exc).__name__, str(exc)
+        for k in range(2):
+            if step == 2 and k == 1 and rank == 1:
+                shard = shard.clone()
+                shard[7] += 1  # a write outside the optimizer step
+            g.gather(output=torch.empty(world * n, dtype=torch.bfloat16), input=shard.clone())
+    return None
+
+
+def test_two_level_stale_shard_stops_every_rank_at_the_next_step():
+    results = run_on_ranks(_sneak_worker, world=4, timeout_s=60)
+    assert all(r is not None and r[0] == 3 for r in results), results
+    assert [r[1] for r in results] == ["CieraVerifyError", "StaleReplayError", "CieraVerifyError", "StaleReplayError"]
+    assert "another node group" in results[0][2] and "rank(s) [1]" in results[1][2]
