@@ -10,6 +10,11 @@
  * bytes and statuses; CIERA_NATIVE_AVX512=0 forces the portable ones). */
 #include "delta_ans.h"
 
+CIERA_LAYOUT_INFO(dans, CIERA_DANS_LAYOUT)
+
+/* The smallest payload: header, map and counts, no table (the counts section follows the map). */
+int64_t ciera_dans_fixed_bytes(const ciera_dans_layout *l) { return (l->off_tables + 2 * l->n_streams + 15) / 16 * 16; }
+
 static int64_t al16(int64_t n) { return (n + 15) / 16 * 16; }
 static int64_t dans_off_counts(const ciera_dans_layout *l, int64_t n_tab) {
     return al16(l->off_tables + n_tab * l->table_bytes);
