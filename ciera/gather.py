@@ -64,7 +64,7 @@ import torch.distributed as dist
 from .agreement import (FLAG_CORRUPT, FLAG_FAILED, FLAG_RAW, FLAG_REPLAY, RAW_PLAN, REPLAY_PLAN, Plan, Proposal,
                         exchange, plan_from_table, stale_ranks)
 from .errors import CieraVerifyError, StaleReplayError
-from .codecs import HEADER_BYTES, Codec, PayloadHeader, make_codec
+from .codecs import HEADER_BYTES, Codec, PayloadHeader, codec_spec, codec_specs, make_codec
 from .codecs.base import align_up
 from .codecs.formats import FORMATS, as_bits, float_format
 from .comm import all_gather_into, all_gather_uneven
@@ -75,7 +75,6 @@ from .stats import GatherStats, SectionTimer
 logger = logging.getLogger(__name__)
 
 _DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(FORMATS)}
-_CONCRETE_CODECS = ("exponent_reuse", "delta", "delta_ans")
 
 
 class Phase(enum.Enum):
@@ -526,15 +525,15 @@ class CieraAllGather:
         cfg = self.config
         if cfg.codec == "raw" or cfg.selection == "never" or self.world == 1:
             return []
-        if cfg.codec == "auto":
-            from .codecs.registry import available_codecs
-
-            return [c for c in _CONCRETE_CODECS if c in available_codecs()]
+        if cfg.codec == "auto":  # the codecs whose descriptors offer them to auto, by id
+            return [spec.name for spec in codec_specs() if spec.auto]
         return [cfg.codec]
 
     def _make_codec(self, name: str) -> Codec:
-        # delta_ans takes its own default block (32 streams of 1024 values; no config field yet).
-        block = {"delta": self.config.delta_block_size, "delta_ans": None}.get(name, self.config.block_size)
+        # The config field the codec's descriptor names sets its block; None: the codec's own default
+        # (delta_ans: 32 streams of 1024 values; no config field yet).
+        option = codec_spec(name).block_size_option
+        block = None if option is None else getattr(self.config, option)
         return make_codec(name, dtype=self.buffer.dtype, numel=self.shard_numel, block_size=block)
 
     def _check_agreement(self) -> None:

@@ -1,4 +1,4 @@
-"""The tiled delta kernels (``ciera.kernels.delta``) against the pure-torch reference across many
+"""The tiled delta kernels (``ciera.codecs.delta.kernels``) against the pure-torch reference across many
 tiles: full tiles (unmasked, the main launch) and a partial last tile (the second launch), the
 decoupled look-back between tiles, repeated calls on the same cached scratch (epochs), overflow
 (a prefix of blocks written), raw blocks, NaN/Inf and exceptions. Small tiles
@@ -29,7 +29,7 @@ GARBAGE = 0xA5
 def K():
     from triton.runtime.interpreter import InterpretedFunction
 
-    mod = importlib.import_module("ciera.kernels.delta")
+    mod = importlib.import_module("ciera.codecs.delta.kernels")
     if DEV == "cpu" and not isinstance(mod._decode_tiles, InterpretedFunction):
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("triton was imported without TRITON_INTERPRET")

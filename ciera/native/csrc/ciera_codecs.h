@@ -4,7 +4,7 @@
  * on tensors' data pointers by ciera/native/_lib.py, which reads this interface back from the
  * library (ciera_layout_fields, ciera_strerror, ciera_status_name, ciera_codec_name) rather than
  * keeping a copy. The payload formats are defined by the pure-torch references in
- * ciera/codecs/{exponent_reuse,delta}.py; every function here writes the same bytes (everything
+ * ciera/codecs/<name>/codec.py; every function here writes the same bytes (everything
  * the reference writes up to `needed`, and nothing else) and decodes to the same bits. Section
  * offsets come from the Python layout dataclasses (one source of truth), filled in by field name.
  *

@@ -1,4 +1,4 @@
-/* delta_ans: delta's symbols under interleaved rANS (the format: ciera/codecs/delta_ans.py).
+/* delta_ans: delta's symbols under interleaved rANS (the format: ciera/codecs/delta_ans/codec.py).
  *
  * Encode: one histogram pass (per thread, summed in a fixed order), the frequency tables, then
  * every block's 32 streams encoded backwards, interleaved (32 independent states: the divisions
