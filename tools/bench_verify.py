@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ciera import CieraAllGather, CieraConfig
 from ciera.replicas import verify_replicas
 from ciera.testing import run_on_ranks
-from ciera.trajectory import AdamTrajectory
+from ciera.testing.trajectory import AdamTrajectory
 from tools._common import timed_collective
 
 BUDGET = 0.005  # verify's share of the gather time

@@ -26,7 +26,7 @@ from ciera.codecs import FLAG_OVERFLOW, HEADER_BYTES, PayloadHeader, as_bits, ma
 from ciera.codecs.delta import DeltaCodec, DeltaLayout, decode_reference, encode_reference  # noqa: E402
 from ciera.codecs.formats import float_format  # noqa: E402
 from ciera.kernels import triton_available  # noqa: E402
-from ciera.trajectory import AdamTrajectory, adversarial_step  # noqa: E402
+from ciera.testing.trajectory import AdamTrajectory, adversarial_step  # noqa: E402
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 BLOCKS = [8, 64, 256, 1024]

@@ -14,7 +14,7 @@ from ciera.codecs import FLAG_OVERFLOW, HEADER_BYTES, as_bits, codec_spec, make_
 from ciera.codecs.delta_ans import (LANES, PROB_BITS, RAW_MARK, DeltaAnsCodec, DeltaAnsLayout, quantize,
                                     symbols)
 from ciera.codecs.formats import float_format
-from ciera.trajectory import AdamTrajectory, adversarial_step
+from ciera.testing.trajectory import AdamTrajectory, adversarial_step
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 

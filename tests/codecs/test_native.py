@@ -41,7 +41,7 @@ from ciera.codecs.base import Codec
 from ciera.cost_model import CodecEstimate, CodecSpeed, LinkModel, decide
 from ciera.measure import measure_codec_speed
 from ciera.native import _lib
-from ciera.trajectory import AdamTrajectory, adversarial_step
+from ciera.testing.trajectory import AdamTrajectory, adversarial_step
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native codecs not built: {native.unavailable_reason()}")
 

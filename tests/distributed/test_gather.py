@@ -8,7 +8,7 @@ import torch.distributed as dist
 from ciera import CieraAllGather, CieraConfig, CieraVerifyError
 from ciera.codecs import as_bits, available_codecs
 from ciera.testing import run_on_ranks
-from ciera.trajectory import AdamTrajectory, adversarial_step
+from ciera.testing.trajectory import AdamTrajectory, adversarial_step
 
 pytestmark = pytest.mark.distributed
 

@@ -25,7 +25,7 @@ from ciera.codecs.deferred import DeferredErrors  # noqa: E402
 from ciera.codecs.delta_ans import (RAW_MARK, DeltaAnsCodec, decode_many_reference,  # noqa: E402
                                     decode_reference, encode_reference)
 from ciera.codecs.formats import as_bits  # noqa: E402
-from ciera.trajectory import AdamTrajectory, adversarial_step  # noqa: E402
+from ciera.testing.trajectory import AdamTrajectory, adversarial_step  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 GARBAGE = 0xA5

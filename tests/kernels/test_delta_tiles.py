@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 
 from ciera.codecs.delta import DeltaCodec, decode_reference, encode_reference  # noqa: E402
 from ciera.codecs.formats import as_bits  # noqa: E402
-from ciera.trajectory import AdamTrajectory, adversarial_step  # noqa: E402
+from ciera.testing.trajectory import AdamTrajectory, adversarial_step  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 GARBAGE = 0xA5
