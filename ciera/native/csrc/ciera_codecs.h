@@ -108,6 +108,7 @@ CIERA_API int64_t ciera_layout_bytes(int codec);
                                        void *target, int threads);
 CIERA_CODECS(CIERA_CODEC_ENTRY_POINTS)
 #undef CIERA_CODEC_ENTRY_POINTS
+
 /* The counts delta's width table is chosen from, over values [lo, hi): hist[e * (W + 1) + L]
  * (2^E * (W + 1) entries, overwritten) = values whose previous exponent is e and whose z has bit
  * length L, counted by the path an encode on this CPU takes. For the tests. */
