@@ -93,6 +93,8 @@ class _Registry:
         spec = getattr(cls, "spec", None)
         if not isinstance(spec, CodecSpec):
             raise ValueError(f"{cls.__name__}: a codec class carries its CodecSpec as `spec`")
+        if self._by_name.get(spec.name) is cls:
+            return cls  # the same class again (its module imported twice): nothing changes
         taken = {c.spec.codec_id: n for n, c in self._by_name.items()}
         if spec.name in self._by_name or spec.codec_id in taken:
             owner = self._by_name.get(spec.name) or self._by_name[taken[spec.codec_id]]
@@ -127,7 +129,8 @@ REGISTRY = _Registry()
 
 def register_codec(cls: type[Codec]) -> type[Codec]:
     """Register codec class ``cls`` under ``cls.spec.name`` (usable as a class decorator). A codec
-    package calls it once, when imported; a name or id already taken is refused."""
+    package calls it once, when imported; a name or id already taken by another class is refused
+    (registering the same class again changes nothing)."""
     return REGISTRY.register(cls)
 
 

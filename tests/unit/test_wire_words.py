@@ -55,3 +55,9 @@ def test_a_class_without_a_descriptor_is_refused():
 
     with pytest.raises(ValueError, match="carries its CodecSpec as `spec`"):
         REGISTRY.register(Bare)
+
+
+def test_registering_the_same_class_again_changes_nothing():
+    cls = REGISTRY.get("delta")
+    assert REGISTRY.register(cls) is cls and REGISTRY.get("delta") is cls
+    assert available_codecs() == ["delta", "delta_ans", "exponent_reuse", "raw"]
