@@ -198,11 +198,13 @@ def test_the_descriptor_is_what_the_library_asks(tmp_path):
         codec = make_codec("toy", dtype=torch.bfloat16, numel=8, backend="native")
         state = codec.new_state(shard=torch.ones(8, dtype=torch.bfloat16))
         with pytest.raises(RuntimeError, match="toy: backend='native' but this codec has no native implementation"):
-            codec.encode(shard=torch.zeros(8, dtype=torch.bfloat16), state=state, out=torch.zeros(256, dtype=torch.uint8))
+            codec.encode(shard=torch.zeros(8, dtype=torch.bfloat16), state=state,
+                         out=torch.zeros(256, dtype=torch.uint8))
         codec = make_codec("toy", dtype=torch.bfloat16, numel=8, backend="triton")
         with pytest.raises(RuntimeError, match="toy: backend='triton' but this codec has no Triton twin"):
-            codec.decode_many(payloads=torch.zeros(64, dtype=torch.uint8), rows=torch.zeros(1, dtype=torch.int64),
-                              offsets=torch.zeros(1, dtype=torch.int64), targets=torch.zeros(2, 8, dtype=torch.bfloat16))
+            one = torch.zeros(1, dtype=torch.int64)
+            codec.decode_many(payloads=torch.zeros(64, dtype=torch.uint8), rows=one, offsets=one,
+                              targets=torch.zeros(2, 8, dtype=torch.bfloat16))
         print("ok")
     """)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
