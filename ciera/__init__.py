@@ -13,7 +13,8 @@ PyTorch FSDP2 ``ciera.fsdp2.enable(model, optimizer=...)``.
 from .codecs import Codec, available_codecs, make_codec
 from .config import CieraConfig
 from .errors import StaleReplayError
-from .gather import CieraAllGather, CieraVerifyError, GatherHandle, verify_replicas
+from .gather import CieraAllGather, CieraVerifyError, GatherHandle
+from .replicas import verify_replicas
 from .stats import GatherStats
 from .zero3 import Zero3Gather
 

@@ -10,9 +10,12 @@ import dataclasses
 import hashlib
 from dataclasses import dataclass
 
+from .codecs.registry import codec_choices
 from .memory import parse_budget
 
-CODECS = ("raw", "exponent_reuse", "delta", "delta_ans", "auto")
+CODECS = codec_choices()
+"""The codecs registered when this module loads (the built-in ones) and ``auto``, for argument
+parsers; validation asks the registry, so a codec registered later is accepted too."""
 CACHES = ("auto", "values", "two_level", "exponents", "none")
 SELECTIONS = ("auto", "always", "never")
 
@@ -32,11 +35,11 @@ class CieraConfig:
     exponents. Small blocks isolate the (independent, mostly small-magnitude) exponent changes at a
     bitmap cost of 1/B bit per value: on bf16 AdamW trajectories B=8 sends 1.81x less than raw
     against 1.31x at B=64 and 1.00x at the paper's 512 (B=4: 3-7% better still, at twice the
-    bitmap; see ``ciera/codecs/exponent_reuse.py``). Must be a power of two in [1, 4096]."""
+    bitmap; see ``ciera/codecs/exponent_reuse/codec.py``). Must be a power of two in [1, 4096]."""
 
     delta_block_size: int = 128
     """Values per block of the ``delta`` codec (exception lists, raw escape). 128 measured as good
-    as 256 and better than 64 (see ``ciera/codecs/delta.py``). Power of two in [8, 4096]."""
+    as 256 and better than 64 (see ``ciera/codecs/delta/codec.py``). Power of two in [8, 4096]."""
 
     warmup_gathers: int = 1
     """Gathers sent raw after construction and after every :meth:`CieraAllGather.invalidate`.
@@ -101,8 +104,8 @@ class CieraConfig:
         def bad(msg):
             raise ValueError(f"CieraConfig: {msg}")
 
-        if self.codec not in CODECS:
-            bad(f"codec={self.codec!r}; expected one of {CODECS}")
+        if self.codec not in codec_choices():
+            bad(f"codec={self.codec!r}; expected one of {codec_choices()}")
         if self.cache not in CACHES:
             bad(f"cache={self.cache!r}; expected one of {CACHES}")
         try:

@@ -64,18 +64,18 @@ import torch.distributed as dist
 from .agreement import (FLAG_CORRUPT, FLAG_FAILED, FLAG_RAW, FLAG_REPLAY, RAW_PLAN, REPLAY_PLAN, Plan, Proposal,
                         exchange, plan_from_table, stale_ranks)
 from .errors import CieraVerifyError, StaleReplayError
-from .codecs import HEADER_BYTES, Codec, PayloadHeader, make_codec
+from .codecs import HEADER_BYTES, Codec, PayloadHeader, codec_spec, codec_specs, make_codec
 from .codecs.base import align_up
-from .codecs.formats import FORMATS, as_bits, float_format
+from .codecs.formats import FORMATS, float_format
 from .comm import all_gather_into, all_gather_uneven
 from .config import CieraConfig
+from .replicas import verify_replicas
 from .selection import Measurements, Selector
 from .stats import GatherStats, SectionTimer
 
 logger = logging.getLogger(__name__)
 
 _DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(FORMATS)}
-_CONCRETE_CODECS = ("exponent_reuse", "delta", "delta_ans")
 
 
 class Phase(enum.Enum):
@@ -526,15 +526,15 @@ class CieraAllGather:
         cfg = self.config
         if cfg.codec == "raw" or cfg.selection == "never" or self.world == 1:
             return []
-        if cfg.codec == "auto":
-            from .codecs.registry import available_codecs
-
-            return [c for c in _CONCRETE_CODECS if c in available_codecs()]
+        if cfg.codec == "auto":  # the codecs whose descriptors offer them to auto, by id
+            return [spec.name for spec in codec_specs() if spec.auto]
         return [cfg.codec]
 
     def _make_codec(self, name: str) -> Codec:
-        # delta_ans takes its own default block (32 streams of 1024 values; no config field yet).
-        block = {"delta": self.config.delta_block_size, "delta_ans": None}.get(name, self.config.block_size)
+        # The config field the codec's descriptor names sets its block; None: the codec's own default
+        # (delta_ans: 32 streams of 1024 values; no config field yet).
+        option = codec_spec(name).block_size_option
+        block = None if option is None else getattr(self.config, option)
         return make_codec(name, dtype=self.buffer.dtype, numel=self.shard_numel, block_size=block)
 
     def _check_agreement(self) -> None:
@@ -818,55 +818,3 @@ def _propose_agree_apply(gathers: list[CieraAllGather], *, group, replays) -> li
         g.apply(plan)
         plans.append(g.plan)
     return plans
-
-
-_MIX = (-0x40A7B892E31B1A47, -0x6B2FB644ECCEEE15)  # splitmix64 finalizer constants (as int64)
-_CHUNK = 1 << 20
-
-
-def _mix64(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finalizer on int64 (wrapping; logical shifts by masking): a bijection whose
-    every output bit depends on every input bit."""
-    x = x ^ ((x >> 30) & ((1 << 34) - 1))
-    x = x * _MIX[0]
-    x = x ^ ((x >> 27) & ((1 << 37) - 1))
-    x = x * _MIX[1]
-    return x ^ ((x >> 31) & ((1 << 33) - 1))
-
-
-def shard_hashes(buffer: torch.Tensor, world: int, *, salt: int = 0) -> torch.Tensor:
-    """A 64-bit hash of each of ``world`` shards' bit patterns: ``[world]`` int64.
-
-    ``sum_i mix(bits_i * a + i * b + c)`` with odd multipliers ``a, b`` and offset ``c`` drawn from
-    ``salt``: any change to a shard changes its hash except with probability ~2^-64 per check
-    (unlike a linear checksum, where +1, -2, +1 on neighbouring values cancels). Equal on every
-    device for equal buffers and salts; the work is elementwise plus one sum per chunk."""
-    gen = torch.Generator().manual_seed(0xC1E7A + salt)
-    a, b, c = (int(v) | 1 for v in torch.randint(-(1 << 62), 1 << 62, (3,), generator=gen))
-    shards = as_bits(buffer).view(world, -1)
-    n = shards.shape[1]
-    out = torch.zeros(world, dtype=torch.int64, device=buffer.device)
-    for lo in range(0, n, _CHUNK):
-        v = shards[:, lo : lo + _CHUNK].to(torch.int64)
-        pos = torch.arange(lo, lo + v.shape[1], dtype=torch.int64, device=buffer.device)
-        out += _mix64(v * a + pos * b + c).sum(1)
-    return out
-
-
-def verify_replicas(buffer: torch.Tensor, *, group=None, name: str = "bucket", salt: int = 0) -> None:
-    """Check that every rank of ``group`` holds the same ``buffer``; raise :class:`CieraVerifyError`
-    naming the bucket, the shard (its owner rank) and the ranks that disagree. Every rank reads the
-    same gathered table, so every rank raises together."""
-    world = dist.get_world_size(group)
-    mine = shard_hashes(buffer, world, salt=salt)
-    everyone = torch.empty(world * world, dtype=torch.int64, device=buffer.device)
-    all_gather_into(everyone, mine, group=group)
-    table = everyone.view(world, world).cpu()
-    for shard in range(world):
-        bad = [r for r in range(world) if table[r, shard] != table[shard, shard]]
-        if bad:
-            raise CieraVerifyError(
-                f"{name}: shard {shard} (owned by rank {shard}) differs from its owner's values on "
-                f"ranks {bad}: a receiver's cache was stale (a write to the buffer outside the gather "
-                f"without invalidate()?) or a codec is broken"
-            )

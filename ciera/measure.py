@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .comm import all_gather_into
 from .cost_model import CodecSpeed, LinkModel, fit_latency_bandwidth
-from .trajectory import AdamTrajectory
+from .synthetic import AdamTrajectory
 
 __all__ = ["DEFAULT_LINK_SIZES", "agree", "measure_codec_speed", "measure_link", "measure_link_times", "synchronize"]
 
@@ -90,7 +90,7 @@ def measure_codec_speed(*, codec, device="cpu", repeats: int = 3, warmup_steps: 
                         seed: int = 0) -> CodecSpeed:
     """Time ``codec`` (a :class:`ciera.codecs.Codec`) encoding and decoding a synthetic shard.
 
-    The shard follows an :class:`ciera.trajectory.AdamTrajectory` for ``warmup_steps`` steps, so the
+    The shard follows an :class:`ciera.synthetic.AdamTrajectory` for ``warmup_steps`` steps, so the
     codec sees a realistic change between the previous and new values. Local only: reduce the two
     throughputs with :func:`agree` (as seconds, or negate rates) to make them rank-identical.
     """

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .codecs.formats import FORMATS, as_bits, float_format
+from .codecs.registry import needs_values_cache
 from .comm import all_gather_into
 from .config import CieraConfig
 from .cost_model import StepShape
@@ -79,7 +80,7 @@ class Zero3Gather:
                  stepped: bool = True, measurements: Measurements | None = None,
                  source: Callable[[torch.Tensor], None] | None = None, units: "Zero3Units | None" = None):
         self.config = CieraConfig() if config is None else config
-        if self.config.cache == "exponents" and self.config.codec in ("delta", "delta_ans"):
+        if self.config.cache == "exponents" and needs_values_cache(self.config.codec):
             raise ValueError(f"{name}: codec={self.config.codec!r} adds to the previous values, so it needs cache='values'; "
                              f"cache='exponents' keeps one byte per value, which only exponent_reuse decodes against")
         self.cache: str | None = None if self.config.cache == "auto" else self.config.cache
@@ -322,7 +323,7 @@ class Zero3Gather:
         if units.budget is None:
             units.budget = measure_budget(spec=self.config.cache_budget, device=device, group=self.group)
         self.cache = units.take(sizes)
-        if self.cache == "exponents" and self.config.codec in ("delta", "delta_ans"):
+        if self.cache == "exponents" and needs_values_cache(self.config.codec):
             raise ValueError(f"{self.name}: codec={self.config.codec!r} needs cache='values' ({sizes['values']} bytes per "
                              f"rank) or 'two_level' ({sizes.get('two_level', 'not possible:')} bytes per rank"
                              f"{'' if 'two_level' in sizes else ' one node, or one rank per node'}), over what is "

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Plain all-gather vs CieraAllGather, side by side in one run, on the same buffer trajectory.
 
-Every rank advances its shard along an AdamW trajectory (``ciera.trajectory``); each step the same
+Every rank advances its shard along an AdamW trajectory (``ciera.testing.trajectory``); each step the same
 new shard is gathered twice: by ``all_gather_into_tensor`` into one buffer and by CieraAllGather
 into another, alternating which goes first. The two buffers are compared bit for bit. Printed per
 buffer size and codec: median time per gather of each, their ratio, and bytes received per rank:
@@ -13,7 +13,7 @@ bits per value, and the order-0 entropies of the same changes (``ciera.entropy``
 ``H(d | previous exponent)``, pooled over ranks).
 
 ``--layout model``: every rank's shard is its part of a tiny MoE's bucket trained with AdamW
-(``ciera.model_trajectory``, sharded as the distributed optimizer shards it: one rank's shard all
+(``ciera.testing.model_trajectory``, sharded as the distributed optimizer shards it: one rank's shard all
 experts, another's output layer and attention), computed once in the launcher; ``--numel`` is
 then ignored.
 
@@ -39,9 +39,9 @@ from ciera import CieraAllGather
 from ciera.codecs import as_bits, available_codecs
 from ciera.config import CODECS
 from ciera.entropy import ChangeEntropy
-from ciera.model_trajectory import SHAPES, ModelTrajectory
+from ciera.testing.model_trajectory import SHAPES, ModelTrajectory
 from ciera.testing import run_on_ranks
-from ciera.trajectory import AdamTrajectory
+from ciera.testing.trajectory import AdamTrajectory
 from tools._common import timed_collective
 from tools.testbed.bench_gather import mode_config
 

@@ -1,13 +1,13 @@
 #!/usr/bin/env python
 """Codec throughput and wire size on a realistic trajectory, side by side with clone().
 
-The trajectory is an fp32 master updated by AdamW (``ciera.trajectory.AdamTrajectory``) and cast
+The trajectory is an fp32 master updated by AdamW (``ciera.testing.trajectory.AdamTrajectory``) and cast
 to the gathered dtype after every step, as Megatron's distributed optimizer does. For every codec
 and learning rate this prints: wire/raw (bytes the payload needs over the shard's bytes), the
 compression ratio, and encode/decode throughput in raw GB/s and as a ratio to ``clone()`` of the
 same shard, timed in the same loop. Every decode is checked bit for bit. A second table gives every
 codec's bits per value next to the order-0 entropies of the same changes (``ciera.entropy``), per
-rank with ``--layout model`` (a tiny MoE's bucket, ``ciera.model_trajectory``).
+rank with ``--layout model`` (a tiny MoE's bucket, ``ciera.testing.model_trajectory``).
 
 On CPU (``--compare``, the default there) every codec runs as the pure-torch reference and as the
 native C twin at 1 and 2 threads (interleaved: every repeat runs each thread count in turn, so both
@@ -44,10 +44,10 @@ import torch
 
 from ciera.codecs import HEADER_BYTES, as_bits, available_codecs, make_codec
 from ciera.entropy import ChangeEntropy
-from ciera.model_trajectory import SHAPES, ModelTrajectory
+from ciera.testing.model_trajectory import SHAPES, ModelTrajectory
 from ciera.native import available as native_available
 from ciera.native import unavailable_reason as native_reason
-from ciera.trajectory import AdamTrajectory
+from ciera.testing.trajectory import AdamTrajectory
 from tools._common import timed
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -65,7 +65,7 @@ def make_snapshots(*, numel, dtype, lr, warmup, steps, device, seed=0):
 
 
 def model_snapshots(*, shape, world, lr, warmup, steps, device, seed=0):
-    """``steps + 1`` consecutive flat buffers of :class:`ciera.model_trajectory.ModelTrajectory`
+    """``steps + 1`` consecutive flat buffers of :class:`ciera.testing.model_trajectory.ModelTrajectory`
     (a tiny MoE laid out as the distributed optimizer's bucket over ``world`` ranks) after ``warmup``
     steps, and the trajectory (its :meth:`shards` cut a buffer into the ranks' shards)."""
     traj = ModelTrajectory(world=world, shape=SHAPES[shape], lr=lr, warmup=warmup, seed=seed)
@@ -312,8 +312,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5, help="runs per measurement; the best counts")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--layout", choices=["synthetic", "model"], default="synthetic",
-                   help="synthetic: one shard of --numel values on ciera.trajectory.AdamTrajectory; model: a "
-                        "tiny MoE trained with AdamW (ciera.model_trajectory), its bucket sharded over --world "
+                   help="synthetic: one shard of --numel values on ciera.testing.trajectory.AdamTrajectory; model: a "
+                        "tiny MoE trained with AdamW (ciera.testing.model_trajectory), its bucket sharded over --world "
                         "ranks as the distributed optimizer shards it (the bits table per rank; timing on the "
                         "whole bucket; --numel ignored)")
     p.add_argument("--world", type=int, default=4, help="--layout model: ranks sharing the bucket")

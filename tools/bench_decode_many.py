@@ -20,7 +20,7 @@ import torch
 
 from ciera.codecs import HEADER_BYTES, as_bits, make_codec
 from ciera.codecs.base import align_up
-from ciera.trajectory import AdamTrajectory
+from ciera.testing.trajectory import AdamTrajectory
 from tools._common import median_seconds, synchronize, write_table
 
 

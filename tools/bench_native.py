@@ -30,7 +30,7 @@ import torch
 
 from ciera import native
 from ciera.codecs import as_bits, make_codec
-from ciera.trajectory import AdamTrajectory
+from ciera.testing.trajectory import AdamTrajectory
 
 
 def load_library(path: str | None) -> ctypes.CDLL:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The cost of CIERA's verify (``CieraConfig.verify_interval``) against the gather it checks.
 
-One verify hashes every shard of the gathered buffer (``ciera.gather.shard_hashes``) and
+One verify hashes every shard of the gathered buffer (``ciera.replicas.shard_hashes``) and
 all-gathers the ``world`` x ``world`` table (``verify_replicas``). Printed per buffer size: the
 median time of a plain ``all_gather_into_tensor`` of the buffer (the cheapest gather: the
 denominator), of a compressed CIERA gather (delta, after warmup), of one verify, and the verify
@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from ciera import CieraAllGather, CieraConfig
-from ciera.gather import verify_replicas
+from ciera.replicas import verify_replicas
 from ciera.testing import run_on_ranks
-from ciera.trajectory import AdamTrajectory
+from ciera.testing.trajectory import AdamTrajectory
 from tools._common import timed_collective
 
 BUDGET = 0.005  # verify's share of the gather time

@@ -51,7 +51,7 @@ import torch
 from ciera.codecs import FORMATS, PayloadHeader, as_bits, available_codecs, float_format, make_codec, read_headers
 from ciera.codecs.exponent_reuse import split_fields
 from ciera.codecs.formats import to_unsigned
-from ciera.trajectory import AdamTrajectory
+from ciera.testing.trajectory import AdamTrajectory
 
 PARAM_TYPES = ("attention", "expert_ffn", "shared_expert", "router", "norm", "embedding", "other")
 """Parameter types, in table order. ``embedding`` holds the input embeddings and the output layer."""
@@ -341,7 +341,7 @@ SYNTHETIC_PARAMS = {
 def synthetic_snapshots(
     *, iters: int, lr: float, unit: int, dtype: torch.dtype, seed: int
 ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
-    """Snapshots 0..iters of :class:`ciera.trajectory.AdamTrajectory` parameters, one per step.
+    """Snapshots 0..iters of :class:`ciera.testing.trajectory.AdamTrajectory` parameters, one per step.
 
     Norm weights start at exactly 1.0; the other parameters use AdamTrajectory's own mix
     (normal weights, a slice at 1.0, a slice of zeros). Types differ only in size and init here:

@@ -7,7 +7,7 @@ gather's CUDA branch (side-stream encodes, Triton codecs, the stream policy) wit
 Parts (``--parts``):
 
 * ``zero1``: the distributed optimizer's buckets. Every rank trains the same
-  :class:`ciera.model_trajectory.ModelTrajectory` (a tiny MoE, AdamW), writes its shard of each
+  :class:`ciera.testing.model_trajectory.ModelTrajectory` (a tiny MoE, AdamW), writes its shard of each
   bucket after every step, prepares all buckets with one agreement, starts them all, then waits
   them; each bucket must equal the plain ``all_gather_into_tensor`` (and the trajectory's buffer)
   bit for bit after every step. CIERA's device bytes per rank (:meth:`CieraAllGather.device_bytes`)
@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ciera import CieraAllGather, CieraConfig  # noqa: E402
 from ciera.codecs import as_bits  # noqa: E402
-from ciera.model_trajectory import MoEShape, ModelTrajectory, TinyMoE, param_kind  # noqa: E402
+from ciera.testing.model_trajectory import MoEShape, ModelTrajectory, TinyMoE, param_kind  # noqa: E402
 from ciera.testing import run_on_ranks  # noqa: E402
 
 

@@ -108,7 +108,7 @@ import torch
 from nvidia import nvcomp
 
 from ciera.codecs import as_bits, make_codec
-from ciera.trajectory import AdamTrajectory
+from ciera.testing.trajectory import AdamTrajectory
 from tools._common import median_seconds
 
 numel, out_md = int(sys.argv[1]), sys.argv[2]

@@ -106,12 +106,23 @@ class Codec(abc.ABC):
     signature is used automatically for CUDA tensors when ``backend='auto'`` and Triton imports.
     """
 
+    spec: ClassVar  # a ciera.codecs.registry.CodecSpec (not imported here: the registry imports this module)
+    """The codec's descriptor (:class:`ciera.codecs.registry.CodecSpec`): every property the rest of
+    the library asks about. ``name``, ``codec_id``, ``reads_previous`` and ``kernels`` are copied
+    from it onto the class."""
     name: ClassVar[str]
     codec_id: ClassVar[int]
     reads_previous: ClassVar[str] = "values"
     """What ``decode`` reads of a target's previous contents: ``"values"`` (it adds to them),
     ``"exponents"`` (only the exponent bits; decoding the same payload twice gives the same
     values), or ``"nothing"``. A receiver cache must keep at least this."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        spec = cls.__dict__.get("spec")
+        if spec is not None:
+            cls.name, cls.codec_id, cls.reads_previous, cls.kernels = (
+                spec.name, spec.codec_id, spec.reads_previous, spec.kernels)
 
     def __init__(self, *, dtype: torch.dtype, numel: int, backend: str = "auto"):
         if numel < 0:
@@ -159,7 +170,7 @@ class Codec(abc.ABC):
     encode_reference: ClassVar
     decode_reference: ClassVar
     decode_many_reference: ClassVar
-    kernels: ClassVar[str]
+    kernels: ClassVar[str | None] = None
     layout: object
 
     def encode(self, *, shard: torch.Tensor, state: torch.Tensor | None, out: torch.Tensor) -> None:
@@ -325,10 +336,14 @@ class Codec(abc.ABC):
             return None
         from ciera import native
 
-        return native.codec_module(self.name, required=self.backend == "native")
+        return native.codec_module(self.spec, required=self.backend == "native")
 
     def _use_triton(self, t: torch.Tensor) -> bool:
         if self.backend == "torch" or (self.backend == "auto" and not t.is_cuda):
+            return False
+        if self.kernels is None:
+            if self.backend == "triton":
+                raise RuntimeError(f"{self.name}: backend='triton' but this codec has no Triton twin")
             return False
         from ciera.kernels import triton_available
 

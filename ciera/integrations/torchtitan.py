@@ -28,7 +28,8 @@ import logging
 from dataclasses import dataclass, field
 
 from .. import fsdp2
-from ..config import CACHES, CODECS, SELECTIONS, CieraConfig
+from ..codecs.registry import codec_choices
+from ..config import CACHES, SELECTIONS, CieraConfig
 from ..stats import GatherStats
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class CieraJobConfig:
     ``always`` or ``never`` (raw, through CIERA's code path)."""
 
     def __post_init__(self):
-        for name, allowed in (("cache", CACHES), ("codec", CODECS), ("selection", SELECTIONS)):
+        for name, allowed in (("cache", CACHES), ("codec", codec_choices()), ("selection", SELECTIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--ciera.{name} {getattr(self, name)!r}: expected one of {', '.join(allowed)}")
 

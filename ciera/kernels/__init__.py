@@ -1,4 +1,5 @@
-"""Triton twins of the codecs' hot loops. Each has the signature of its pure-torch reference."""
+"""Triton support shared by the codecs' Triton twins (each codec's own ``kernels.py`` in its folder under
+``ciera/codecs``, with the signatures of its pure-torch reference): availability and the look-back."""
 
 from __future__ import annotations
 

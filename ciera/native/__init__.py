@@ -3,9 +3,9 @@
 On CPU tensors ``Codec`` dispatches here (``backend='auto'``; ``backend='native'`` forces it) and
 falls back to the pure-torch references, with one warning, when the library is missing. The
 references stay the definition of the formats; every function here has the signature of its
-reference (``encode_native``, ``decode_native``, ``decode_many_native`` in
-:mod:`ciera.native.exponent_reuse` and :mod:`ciera.native.delta`) and is tested byte for byte
-against it.
+reference (``encode_native``, ``decode_native``, ``decode_many_native`` in each codec's
+``native.py``, e.g. :mod:`ciera.codecs.delta.native`, named by its descriptor's ``native``) and is
+tested byte for byte against it.
 
 Why C11 + OpenMP behind ctypes, built by ``setup.py``:
 
@@ -18,7 +18,7 @@ Why C11 + OpenMP behind ctypes, built by ``setup.py``:
 * numba would add a large JIT dependency and first-call compile pauses on every rank;
   ``torch.compile``'s C++ backend cannot express the sequential bit packing without graph breaks.
 
-How (``csrc/``; ``ciera_codecs.h`` is the interface; the layouts, status codes and messages
+How (``csrc/``; ``ciera_codecs.h`` is the interface, and its ``CIERA_CODECS`` list the codecs; the layouts, status codes and messages
 :mod:`ciera.native._lib` uses are read from the library, never copied):
 
 * Threads follow ``torch.get_num_threads()`` and claim grains of whole blocks as they get to them
@@ -51,24 +51,20 @@ from types import ModuleType
 
 from ._lib import available, library, unavailable_reason
 
-CODECS = ("exponent_reuse", "delta", "delta_ans")
-"""Codecs with a native twin (module ``ciera.native.<name>``)."""
-
-
-def codec_module(name: str, *, required: bool = False) -> ModuleType | None:
-    """The native module of codec ``name``, or ``None`` when it has none or the library is missing
-    (``required=True``: a clear error instead)."""
-    if name not in CODECS:
+def codec_module(spec, *, required: bool = False) -> ModuleType | None:
+    """The native module of the codec described by ``spec`` (its
+    :class:`ciera.codecs.registry.CodecSpec`: ``spec.native``), or ``None`` when it has none or the
+    library is missing (``required=True``: a clear error instead)."""
+    if spec.native is None:
         if required:
-            raise RuntimeError(f"{name}: backend='native' but this codec has no native implementation "
-                               f"(native codecs: {', '.join(CODECS)})")
+            raise RuntimeError(f"{spec.name}: backend='native' but this codec has no native implementation")
         return None
     if library() is None:
         if required:
-            raise RuntimeError(f"{name}: backend='native' but the native codec library is unavailable: "
+            raise RuntimeError(f"{spec.name}: backend='native' but the native codec library is unavailable: "
                                f"{unavailable_reason()}")
         return None
-    return importlib.import_module(f"{__name__}.{name}")
+    return importlib.import_module(spec.native)
 
 
 def load_build(path) -> "ctypes.CDLL":
@@ -87,7 +83,7 @@ def load_build(path) -> "ctypes.CDLL":
 def c_layout(codec) -> "ctypes.Structure":
     """The C struct of ``codec``'s layout, as the library's entry points take it (pass
     ``ctypes.addressof`` of it; keep the struct alive while they run)."""
-    return codec_module(codec.name, required=True)._c_layout(codec.layout)
+    return codec_module(codec.spec, required=True)._c_layout(codec.layout)
 
 
 def raise_for(name: str, rc: int) -> None:
@@ -97,5 +93,5 @@ def raise_for(name: str, rc: int) -> None:
     _lib.raise_for(name, rc)
 
 
-__all__ = ["CODECS", "available", "c_layout", "codec_module", "library", "load_build", "raise_for",
+__all__ = ["available", "c_layout", "codec_module", "library", "load_build", "raise_for",
            "unavailable_reason"]

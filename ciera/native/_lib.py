@@ -14,7 +14,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ABI = 5
+ABI = 6
 """Must equal ``CIERA_ABI`` in csrc/ciera_codecs.h: a stale build is refused, not trusted. Layouts,
 status codes and messages are not copied here: they are read from the library."""
 
@@ -58,27 +58,44 @@ SIGNATURES = {
     "ciera_strerror": (_STR, [ctypes.c_int]),
     "ciera_status_name": (_STR, [ctypes.c_int]),
     "ciera_codec_name": (_STR, [ctypes.c_int]),
+    "ciera_codec_symbol": (_STR, [ctypes.c_int]),
     "ciera_layout_fields": (_STR, [ctypes.c_int]),
     "ciera_layout_bytes": (_I64, [ctypes.c_int]),
-    "ciera_er_encode": _ENCODE,
-    "ciera_delta_encode": _ENCODE,
-    "ciera_er_decode": _DECODE,
-    "ciera_delta_decode": _DECODE,
-    "ciera_dans_encode": _ENCODE,
-    "ciera_dans_decode": _DECODE,
     "ciera_encode": (_I64, [ctypes.c_int, _PTR, _PTR, _PTR, _PTR, _I64, ctypes.c_int]),
     "ciera_decode": (ctypes.c_int, [ctypes.c_int, _PTR, _PTR, _I64, _PTR, ctypes.c_int]),
     "ciera_delta_histogram": (ctypes.c_int, [_PTR, _PTR, _PTR, _I64, _I64, _PTR]),
     "ciera_decode_many": (ctypes.c_int, [ctypes.c_int, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64,
                                          ctypes.c_int, ctypes.POINTER(_I64)]),
 }
-"""(restype, argtypes) of each entry point the library exports."""
+"""(restype, argtypes) of each entry point the library exports besides the codecs' own (see
+:func:`codec_signatures`)."""
+
+MAX_CODEC_ID = 255
+"""The codec byte of the payload header: codec ids the library is asked about are below this."""
+
+
+def codec_signatures(lib: ctypes.CDLL) -> dict[str, tuple]:
+    """(restype, argtypes) of every codec's ``ciera_<symbol>_encode`` / ``ciera_<symbol>_decode``,
+    for the codecs the library lists (``CIERA_CODECS`` in csrc/ciera_codecs.h, read back through
+    ``ciera_codec_symbol``); empty for a build without that entry point (an older build)."""
+    symbol_of = getattr(lib, "ciera_codec_symbol", None)
+    if symbol_of is None:
+        return {}
+    symbol_of.restype, symbol_of.argtypes = _STR, [ctypes.c_int]
+    out = {}
+    for codec_id in range(1, MAX_CODEC_ID + 1):
+        symbol = symbol_of(codec_id)
+        if symbol is not None:
+            out[f"ciera_{symbol.decode()}_encode"] = _ENCODE
+            out[f"ciera_{symbol.decode()}_decode"] = _DECODE
+    return out
 
 
 def declare(lib: ctypes.CDLL, *, missing_ok: bool = False) -> None:
-    """Sets :data:`SIGNATURES` on ``lib``. ``missing_ok``: skip the entry points a build lacks (an
-    older build, timed by tools/bench_native.py); otherwise a missing one raises AttributeError."""
-    for name, (restype, argtypes) in SIGNATURES.items():
+    """Sets :data:`SIGNATURES` and :func:`codec_signatures` on ``lib``. ``missing_ok``: skip the entry
+    points a build lacks (an older build, timed by tools/bench_native.py); otherwise a missing one
+    raises AttributeError."""
+    for name, (restype, argtypes) in {**SIGNATURES, **codec_signatures(lib)}.items():
         fn = getattr(lib, name, None) if missing_ok else getattr(lib, name)
         if fn is not None:
             fn.restype, fn.argtypes = restype, argtypes

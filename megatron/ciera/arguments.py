@@ -168,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_modelopt_args(p)
 
     from ciera.agreement import UNEVEN_MIN_SAVING
+    from ciera.codecs.registry import codec_help  # each codec's help line, from its descriptor
     from ciera.config import CODECS, CieraConfig  # the library's defaults and choices, quoted in the help below
 
     d = CieraConfig()
@@ -188,9 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(slow links, MoE experts)")
     g.add_argument("--ciera-codec", choices=list(CODECS), default=None,
                    help=f"codec of compressed gathers (default {d.codec}: the cost model picks per bucket). "
-                        "delta_ans sends fewest bytes (entropy-coded delta, slowest), delta nearly as few; "
-                        "exponent_reuse encodes fastest (at most 2x on bf16); "
-                        "raw never compresses")
+                        + codec_help())
     g.add_argument("--ciera-block-size", type=int, default=None, metavar="N",
                    help=f"values per exponent_reuse block, a power of two in [1, 4096] (default {d.block_size}). "
                         "Smaller blocks resend fewer unchanged exponents; rarely worth changing")

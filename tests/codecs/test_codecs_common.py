@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ciera.codecs import FLAG_OVERFLOW, HEADER_BYTES, as_bits, available_codecs, make_codec
-from ciera.trajectory import AdamTrajectory, adversarial_step
+from ciera.testing.trajectory import AdamTrajectory, adversarial_step
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 SIZES = [0, 1, 2, 7, 8, 9, 13, 63, 64, 65, 127, 1000, 4099]

@@ -2,7 +2,7 @@
 
 Triton runs on CUDA tensors when a GPU is present, otherwise on CPU tensors under the interpreter.
 ``TRITON_INTERPRET`` is read when a kernel is decorated, so it is set here before
-``ciera.kernels.delta`` is imported; if that module was already imported without it, the Triton
+``ciera.codecs.delta.kernels`` is imported; if that module was already imported without it, the Triton
 comparisons skip.
 """
 
@@ -13,7 +13,7 @@ import torch
 
 _ON_GPU = torch.cuda.is_available()
 if not _ON_GPU:
-    _KERNELS_COMPILED = "ciera.kernels.delta" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+    _KERNELS_COMPILED = "ciera.codecs.delta.kernels" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
     os.environ.setdefault("TRITON_INTERPRET", "1")
 else:
     _KERNELS_COMPILED = False
@@ -26,7 +26,7 @@ from ciera.codecs import FLAG_OVERFLOW, HEADER_BYTES, PayloadHeader, as_bits, ma
 from ciera.codecs.delta import DeltaCodec, DeltaLayout, decode_reference, encode_reference  # noqa: E402
 from ciera.codecs.formats import float_format  # noqa: E402
 from ciera.kernels import triton_available  # noqa: E402
-from ciera.trajectory import AdamTrajectory, adversarial_step  # noqa: E402
+from ciera.testing.trajectory import AdamTrajectory, adversarial_step  # noqa: E402
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 BLOCKS = [8, 64, 256, 1024]
@@ -322,13 +322,13 @@ def test_long_trajectory_full(lr):
 # -- Triton twin == reference ------------------------------------------------------------------------
 triton_only = pytest.mark.skipif(
     not triton_available() or _KERNELS_COMPILED,
-    reason="needs Triton (on CPU: the interpreter, set before ciera.kernels.delta is imported)",
+    reason="needs Triton (on CPU: the interpreter, set before ciera.codecs.delta.kernels is imported)",
 )
 DEV = "cuda" if _ON_GPU else "cpu"
 
 
 def _compare(layout, prev, new, capacity):
-    from ciera.kernels.delta import decode_triton, encode_triton
+    from ciera.codecs.delta.kernels import decode_triton, encode_triton
 
     outs, states, needs = [], [], []
     for impl in (encode_reference, encode_triton):

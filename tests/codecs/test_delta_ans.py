@@ -10,11 +10,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ciera.codecs import FLAG_OVERFLOW, HEADER_BYTES, as_bits, make_codec
+from ciera.codecs import FLAG_OVERFLOW, HEADER_BYTES, as_bits, codec_spec, make_codec
 from ciera.codecs.delta_ans import (LANES, PROB_BITS, RAW_MARK, DeltaAnsCodec, DeltaAnsLayout, quantize,
                                     symbols)
 from ciera.codecs.formats import float_format
-from ciera.trajectory import AdamTrajectory, adversarial_step
+from ciera.testing.trajectory import AdamTrajectory, adversarial_step
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -36,7 +36,7 @@ def test_registered():
     codec = make_codec("delta_ans", dtype=torch.bfloat16, numel=10)
     assert isinstance(codec, DeltaAnsCodec) and codec.codec_id == 3 and codec.reads_previous == "values"
     assert codec.block_size == 32768 and codec.layout.steps == 1024
-    assert codec.kernels == "ciera.kernels.delta_ans"  # its Triton twin: tests/kernels/test_delta_ans_triton.py
+    assert codec.kernels == "ciera.codecs.delta_ans.kernels"  # its Triton twin: tests/kernels/test_delta_ans_triton.py
 
 
 @pytest.mark.parametrize("block", [0, 32, 96, 1 << 20])
@@ -204,7 +204,7 @@ def test_corrupt_payloads_are_errors(dtype, backend):
     y = tr.step()
     codec = make_codec("delta_ans", dtype=dtype, numel=n, backend=backend, block_size=1024)
     out, needed = encode(codec, x, y)
-    impl = native.codec_module("delta_ans") if backend == "native" else DeltaAnsCodec
+    impl = native.codec_module(codec_spec("delta_ans")) if backend == "native" else DeltaAnsCodec
     decode = impl.decode_native if backend == "native" else impl.decode_reference
     for what, payload in _corrupt_cases(codec, out, needed):
         with pytest.raises(ValueError, match=f"delta_ans: corrupt payload.*{what}"):

@@ -36,22 +36,22 @@ import test_delta
 import test_delta_ans
 import test_exponent_reuse
 from ciera import native
-from ciera.codecs import HEADER_BYTES, as_bits, make_codec
+from ciera.codecs import HEADER_BYTES, as_bits, codec_spec, codec_specs, make_codec
 from ciera.codecs.base import Codec
 from ciera.cost_model import CodecEstimate, CodecSpeed, LinkModel, decide
 from ciera.measure import measure_codec_speed
 from ciera.native import _lib
-from ciera.trajectory import AdamTrajectory, adversarial_step
+from ciera.testing.trajectory import AdamTrajectory, adversarial_step
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native codecs not built: {native.unavailable_reason()}")
 
-NATIVE_CODECS = list(native.CODECS)
+NATIVE_CODECS = [spec.name for spec in codec_specs() if spec.native]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
 # -- 1. every existing case, all implementations compared ---------------------------------------
 def _twins(codec: Codec, which: str, with_triton: bool):
-    twins = [("native", getattr(native.codec_module(codec.name, required=True), f"{which}_native"))]
+    twins = [("native", getattr(native.codec_module(codec_spec(codec.name), required=True), f"{which}_native"))]
     if with_triton and codec.kernels:  # every codec with a Triton twin (under the interpreter on CPU)
         import importlib
 
@@ -142,7 +142,7 @@ _recollect(test_exponent_reuse, "er")
 def test_comparison_runs_every_implementation(compare_all_implementations, monkeypatch):
     """The comparing runner really calls the native twin (guards the re-collection above)."""
     calls = []
-    mod = native.codec_module("delta")
+    mod = native.codec_module(codec_spec("delta"))
     real = mod.encode_native
     monkeypatch.setattr(mod, "encode_native", lambda **kw: calls.append(1) or real(**kw))
     codec = make_codec("delta", dtype=torch.bfloat16, numel=100)
@@ -182,7 +182,7 @@ def test_decode_many_matches_a_loop_of_decode_reference(name, dtype):
     payloads, offsets = _payloads(codec, prevs, news, codec.clamp_capacity(codec.max_bytes))
     rows = torch.tensor([3, 0, 4, 2], dtype=torch.int64)  # not every row, not in order
     got = as_bits(torch.stack(prevs)).clone()
-    mod = native.codec_module(name, required=True)
+    mod = native.codec_module(codec_spec(name), required=True)
     mod.decode_many_native(layout=codec.layout, payloads=payloads, rows=rows, offsets=offsets[rows],
                            targets_bits=got)
     want = as_bits(torch.stack(prevs)).clone()
@@ -200,7 +200,7 @@ def test_decode_many_rejects_bad_headers_and_offsets(name):
     other = make_codec("exponent_reuse" if name == "delta" else "delta", dtype=torch.bfloat16, numel=n)
     x = torch.randn(n).to(torch.bfloat16)
     y = adversarial_step(x, kind="replace", gen=torch.Generator().manual_seed(0))
-    mod = native.codec_module(name, required=True)
+    mod = native.codec_module(codec_spec(name), required=True)
     good, off = _payloads(codec, [x], [y], codec.clamp_capacity(codec.max_bytes))
     overflowed, _ = _payloads(codec, [x], [y], codec.fixed_bytes)
     wrong, _ = _payloads(other, [x], [y], other.clamp_capacity(other.max_bytes))
@@ -457,7 +457,7 @@ def test_delta_histogram_equals_the_reference_count_for_count(kind, dtype, n, mo
     that start and end mid-iteration (an AVX-512 range counts 128 values per step, the rest one by
     one)."""
     from ciera.codecs.delta import histogram_reference
-    from ciera.native.delta import histogram_native
+    from ciera.codecs.delta.native import histogram_native
 
     if kind == "trajectory":
         traj = AdamTrajectory(numel=n, dtype=dtype, lr=1e-4, seed=0)
@@ -484,7 +484,7 @@ def test_delta_corrupt_payloads_give_the_same_result_on_every_path(dtype, n, thr
     and on truncated ones, every path reports the same error or decodes the same values, at each
     thread count (at 2 and 3 the last chunk runs backwards from the header's end when that is
     plausible). With whole blocks only, the run's own checks are the last ones."""
-    from ciera.native.delta import decode_native
+    from ciera.codecs.delta.native import decode_native
 
     gen = torch.Generator().manual_seed(5)
     x = (torch.randn(n, generator=gen) * 0.02).to(dtype)
@@ -546,7 +546,7 @@ def test_corrupt_payloads_never_crash(name, dtype, data):
     payload = out[: max(cut - cut % 16, codec.fixed_bytes)] if data.draw(st.booleans()) or needed > cut else out
     target = torch.cat([x.clone(), torch.zeros(8, dtype=dtype)])  # guard values after the target
     try:
-        native.codec_module(name).decode_native(layout=codec.layout, payload=payload.clone(),
+        native.codec_module(codec_spec(name)).decode_native(layout=codec.layout, payload=payload.clone(),
                                                 target_bits=as_bits(target[:n]))
     except ValueError as e:
         assert "corrupt payload" in str(e)
@@ -559,10 +559,10 @@ def test_errors_name_the_codec_and_reason():
     out = torch.empty(codec.fixed_bytes, dtype=torch.uint8)  # room for no exponent block
     codec.encode(shard=x * 4, state=codec.new_state(shard=x), out=out)
     with pytest.raises(ValueError, match="exponent_reuse: corrupt payload: more changed blocks"):
-        native.codec_module("exponent_reuse").decode_native(layout=codec.layout, payload=out,
+        native.codec_module(codec_spec("exponent_reuse")).decode_native(layout=codec.layout, payload=out,
                                                             target_bits=as_bits(x.clone()))
     with pytest.raises(ValueError, match="contiguous CPU"):
-        native.codec_module("delta").decode_native(layout=make_codec("delta", dtype=torch.bfloat16, numel=64).layout,
+        native.codec_module(codec_spec("delta")).decode_native(layout=make_codec("delta", dtype=torch.bfloat16, numel=64).layout,
                                                    payload=out, target_bits=as_bits(x.clone())[::2])
 
 
@@ -614,15 +614,23 @@ def test_unknown_codec_id_fails_with_a_named_status_at_every_entry_point(codec_i
 def test_native_codec_ids_are_the_wire_table():
     from ciera.codecs.registry import WIRE_WORDS
 
-    ids = {name: word for name, word in WIRE_WORDS.items() if word > 0}
+    ids = {name: word for name, word in WIRE_WORDS.items() if word > 0 and codec_spec(name).native}
+    assert set(ids) == set(NATIVE_CODECS)
     assert {name: make_codec(name, dtype=torch.bfloat16, numel=8).codec_id for name in ids} == ids
     assert {name: native.library().ciera_codec_name(word).decode() for name, word in ids.items()} == \
         {name: name for name in ids}
+    # The library lists exactly these (CIERA_CODECS), and _lib declares each one's entry points.
+    listed = {native.library().ciera_codec_name(i).decode(): i for i in range(1, _lib.MAX_CODEC_ID + 1)
+              if native.library().ciera_codec_name(i) is not None}
+    assert listed == ids
+    for word in ids.values():
+        symbol = native.library().ciera_codec_symbol(word).decode()
+        assert getattr(native.library(), f"ciera_{symbol}_encode").argtypes is not None
 
 
 def test_dispatch_auto_native_torch(monkeypatch):
     seen = []
-    mod = native.codec_module("exponent_reuse")
+    mod = native.codec_module(codec_spec("exponent_reuse"))
     real, real_direct = mod.decode_native, _lib.Direct.decode
     monkeypatch.setattr(mod, "decode_native", lambda **kw: seen.append("native") or real(**kw))
     monkeypatch.setattr(_lib.Direct, "decode", lambda self, **kw: seen.append("direct") or real_direct(self, **kw))
@@ -714,7 +722,7 @@ def test_missing_library_falls_back_with_one_log_line(monkeypatch, caplog):
     _lib._load.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="ciera.native._lib"):
-            assert native.codec_module("delta") is None and not native.available()
+            assert native.codec_module(codec_spec("delta")) is None and not native.available()
             codec = make_codec("delta", dtype=torch.bfloat16, numel=50)
             x = torch.randn(50).to(torch.bfloat16)
             out = torch.empty(codec.clamp_capacity(codec.max_bytes), dtype=torch.uint8)

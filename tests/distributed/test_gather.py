@@ -8,7 +8,7 @@ import torch.distributed as dist
 from ciera import CieraAllGather, CieraConfig, CieraVerifyError
 from ciera.codecs import as_bits, available_codecs
 from ciera.testing import run_on_ranks
-from ciera.trajectory import AdamTrajectory, adversarial_step
+from ciera.testing.trajectory import AdamTrajectory, adversarial_step
 
 pytestmark = pytest.mark.distributed
 
@@ -209,7 +209,7 @@ def _old_linear_checksum(bits):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_verify_hash_catches_plus1_minus2_plus1(dtype):
     """The pattern a linear position-weighted checksum misses: +1, -2, +1 ulps on neighbours."""
-    from ciera.gather import shard_hashes
+    from ciera.replicas import shard_hashes
 
     buf = AdamTrajectory(numel=2 * 4096, dtype=dtype, seed=3).current().clone()
     before = shard_hashes(buf, 2, salt=7)

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ciera import CieraAllGather, CieraConfig
 from ciera.codecs import Codec, as_bits
 from ciera.testing import run_on_ranks
-from ciera.trajectory import AdamTrajectory
+from ciera.testing.trajectory import AdamTrajectory
 
 pytestmark = pytest.mark.distributed
 

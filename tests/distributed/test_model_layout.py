@@ -1,4 +1,4 @@
-"""The gather on a real layout: a tiny MoE's bucket (ciera.model_trajectory) sharded over R ranks as
+"""The gather on a real layout: a tiny MoE's bucket (ciera.testing.model_trajectory) sharded over R ranks as
 the distributed optimizer shards it, one rank's shard all experts and another's output layer,
 attention and embeddings. Every registered codec the config accepts, bit for bit against the
 trained buffer after every gather; the compressed gathers' wire within 2% of the payloads' sum."""
@@ -9,7 +9,7 @@ import torch
 from ciera import CieraAllGather, CieraConfig
 from ciera.codecs import as_bits, available_codecs
 from ciera.config import CODECS
-from ciera.model_trajectory import ModelTrajectory, MoEShape
+from ciera.testing.model_trajectory import ModelTrajectory, MoEShape
 from ciera.testing import run_on_ranks
 
 pytestmark = pytest.mark.distributed

@@ -12,7 +12,7 @@ from ciera.codecs import as_bits
 from ciera.cost_model import LinkModel
 from ciera.selection import Measurements
 from ciera.testing import run_on_ranks
-from ciera.trajectory import AdamTrajectory, adversarial_step
+from ciera.testing.trajectory import AdamTrajectory, adversarial_step
 
 pytestmark = pytest.mark.distributed
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from ciera import CieraConfig
 from ciera.codecs import as_bits
 from ciera.testing import run_on_ranks
-from ciera.trajectory import AdamTrajectory, adversarial_step
+from ciera.testing.trajectory import AdamTrajectory, adversarial_step
 from ciera.two_level import NodeLayout, layout_of
 from ciera.zero3 import Zero3Gather, Zero3Units, cache_bytes_per_rank, plan_caches
 

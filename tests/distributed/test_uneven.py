@@ -10,7 +10,7 @@ from ciera import CieraAllGather, CieraConfig
 from ciera.codecs import as_bits
 from ciera.comm import all_gather_uneven
 from ciera.testing import run_on_ranks
-from ciera.trajectory import AdamTrajectory, adversarial_step
+from ciera.testing.trajectory import AdamTrajectory, adversarial_step
 
 pytestmark = pytest.mark.distributed
 

@@ -11,7 +11,7 @@ from ciera import CieraConfig
 from ciera.codecs import as_bits
 from ciera.cost_model import LinkModel
 from ciera.testing import run_on_ranks
-from ciera.trajectory import AdamTrajectory, adversarial_step
+from ciera.testing.trajectory import AdamTrajectory, adversarial_step
 from ciera.zero3 import Zero3Gather, cache_bytes_per_rank
 
 pytestmark = pytest.mark.distributed

@@ -20,7 +20,7 @@ from ciera.codecs.base import align_up  # noqa: E402
 from ciera.codecs.delta import DeltaCodec  # noqa: E402
 from ciera.codecs.exponent_reuse import ExponentReuseCodec  # noqa: E402
 from ciera.codecs.formats import as_bits  # noqa: E402
-from ciera.trajectory import AdamTrajectory, adversarial_step  # noqa: E402
+from ciera.testing.trajectory import AdamTrajectory, adversarial_step  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,4 +1,4 @@
-"""The delta_ans Triton twin (``ciera.kernels.delta_ans``) against the pure-torch reference, byte for
+"""The delta_ans Triton twin (``ciera.codecs.delta_ans.kernels``) against the pure-torch reference, byte for
 byte: every payload byte after the header (garbage-filled buffers, so a byte the twin fails to write
 shows), the bytes needed, the sender state, the decoded bits; AdamTrajectory steps and adversarial
 bit patterns for every dtype, partial last blocks, tiny and empty shards, raw blocks, the
@@ -25,7 +25,7 @@ from ciera.codecs.deferred import DeferredErrors  # noqa: E402
 from ciera.codecs.delta_ans import (RAW_MARK, DeltaAnsCodec, decode_many_reference,  # noqa: E402
                                     decode_reference, encode_reference)
 from ciera.codecs.formats import as_bits  # noqa: E402
-from ciera.trajectory import AdamTrajectory, adversarial_step  # noqa: E402
+from ciera.testing.trajectory import AdamTrajectory, adversarial_step  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 GARBAGE = 0xA5
@@ -36,7 +36,7 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 def K():
     from triton.runtime.interpreter import InterpretedFunction
 
-    mod = importlib.import_module("ciera.kernels.delta_ans")
+    mod = importlib.import_module("ciera.codecs.delta_ans.kernels")
     if DEV == "cpu" and not isinstance(mod._decode_blocks, InterpretedFunction):
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("triton was imported without TRITON_INTERPRET")
@@ -208,8 +208,8 @@ def test_codec_runs_the_twin(K):
     codec = DeltaAnsCodec(dtype=torch.float16, numel=n, block_size=128, backend="triton")
     ref = DeltaAnsCodec(dtype=torch.float16, numel=n, block_size=128, backend="torch")
     like = torch.zeros(1, device=DEV)
-    assert codec.implementation("encode", like=like) == "ciera.kernels.delta_ans"
-    assert codec.implementation("decode_many", like=like) == "ciera.kernels.delta_ans"
+    assert codec.implementation("encode", like=like) == "ciera.codecs.delta_ans.kernels"
+    assert codec.implementation("decode_many", like=like) == "ciera.codecs.delta_ans.kernels"
     tr = AdamTrajectory(numel=n, dtype=torch.float16, lr=1e-4, seed=8)
     x, y = tr.step().to(DEV), tr.step().to(DEV)
     cap = codec.clamp_capacity(codec.max_bytes)

@@ -1,4 +1,4 @@
-"""The tiled delta kernels (``ciera.kernels.delta``) against the pure-torch reference across many
+"""The tiled delta kernels (``ciera.codecs.delta.kernels``) against the pure-torch reference across many
 tiles: full tiles (unmasked, the main launch) and a partial last tile (the second launch), the
 decoupled look-back between tiles, repeated calls on the same cached scratch (epochs), overflow
 (a prefix of blocks written), raw blocks, NaN/Inf and exceptions. Small tiles
@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 
 from ciera.codecs.delta import DeltaCodec, decode_reference, encode_reference  # noqa: E402
 from ciera.codecs.formats import as_bits  # noqa: E402
-from ciera.trajectory import AdamTrajectory, adversarial_step  # noqa: E402
+from ciera.testing.trajectory import AdamTrajectory, adversarial_step  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 GARBAGE = 0xA5
@@ -29,7 +29,7 @@ GARBAGE = 0xA5
 def K():
     from triton.runtime.interpreter import InterpretedFunction
 
-    mod = importlib.import_module("ciera.kernels.delta")
+    mod = importlib.import_module("ciera.codecs.delta.kernels")
     if DEV == "cpu" and not isinstance(mod._decode_tiles, InterpretedFunction):
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("triton was imported without TRITON_INTERPRET")

@@ -50,7 +50,7 @@ def _interpreted(fn) -> bool:
 
 IN_PROCESS = DEVICE == "cuda" or _interpreted(triton.language.zeros)
 if IN_PROCESS:
-    K = importlib.import_module("ciera.kernels.exponent_reuse")
+    K = importlib.import_module("ciera.codecs.exponent_reuse.kernels")
     if DEVICE == "cpu" and not _interpreted(K._encode_tiles):
         importlib.reload(importlib.import_module("ciera.kernels.lookback"))
         K = importlib.reload(K)  # imported earlier, before TRITON_INTERPRET was set

@@ -11,7 +11,7 @@ import ciera.gather as gather_mod
 from ciera import CieraAllGather, CieraConfig
 from ciera.codecs import as_bits
 from ciera.gather import Phase
-from ciera.trajectory import AdamTrajectory
+from ciera.testing.trajectory import AdamTrajectory
 from megatron.ciera import bucket_group as binding
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup

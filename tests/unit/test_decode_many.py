@@ -6,7 +6,7 @@ import torch
 
 from ciera.codecs import HEADER_BYTES, as_bits, make_codec
 from ciera.codecs.base import align_up
-from ciera.trajectory import AdamTrajectory, adversarial_step
+from ciera.testing.trajectory import AdamTrajectory, adversarial_step
 
 
 @pytest.mark.parametrize("name", ["exponent_reuse", "delta"])

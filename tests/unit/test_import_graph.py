@@ -114,3 +114,20 @@ def test_floors_hold_at_every_import():
 def test_the_cycle_finder_bites():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def _is_testing(name: str) -> bool:
+    return name == "ciera.testing" or name.startswith("ciera.testing.")
+
+
+def test_the_library_never_imports_its_test_fixtures():
+    """``ciera.testing`` (the gloo harness, the synthetic trajectories, the tiny MoE) serves tests, tools
+    and examples: no module of ``ciera`` outside it imports it, at load time or later, by statement or
+    by name (``importlib.import_module("ciera.testing...")``)."""
+    library = {m: p for m, p in _modules().items() if m.split(".")[0] == "ciera" and not _is_testing(m)}
+    assert "ciera.measure" in library and "ciera.testing" in _modules()
+    for module, path in library.items():
+        bad = [i for i in _imports(module, path, load_time_only=False) if _is_testing(i)]
+        bad += [node.value for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) and _is_testing(node.value)]
+        assert not bad, f"{module} imports {bad}: the library must not depend on its test fixtures"

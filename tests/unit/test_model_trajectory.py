@@ -1,4 +1,4 @@
-"""ciera.model_trajectory: a tiny MoE's bf16 buffer laid out and sharded as Megatron's distributed
+"""ciera.testing.model_trajectory: a tiny MoE's bf16 buffer laid out and sharded as Megatron's distributed
 optimizer does, trained deterministically."""
 
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ciera.codecs import as_bits
-from ciera.model_trajectory import MoEShape, ModelTrajectory, megatron_layout
+from ciera.testing.model_trajectory import MoEShape, ModelTrajectory, megatron_layout
 
 SMALL = MoEShape(vocab=64, hidden=32, heads=2, experts=4, expert_hidden=32, seq=8, batch=2)
 

@@ -27,7 +27,7 @@ def _policy_worker(rank, world, cases):
     from ciera import CieraAllGather, CieraConfig
     from ciera.codecs import as_bits
     from ciera.native import _lib
-    from ciera.trajectory import AdamTrajectory
+    from ciera.testing.trajectory import AdamTrajectory
     from fake_streams import StreamRecorder
 
     _lib._load.cache_clear()

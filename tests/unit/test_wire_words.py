@@ -6,7 +6,7 @@ import torch
 from ciera import agreement
 from ciera.codecs import available_codecs, make_codec
 from ciera.codecs.base import Codec
-from ciera.codecs.registry import REGISTRY, WIRE_WORDS
+from ciera.codecs.registry import REGISTRY, WIRE_WORDS, CodecSpec
 
 
 def test_the_wire_words_keep_their_values():  # changing one changes the payload header or the agreement
@@ -25,15 +25,39 @@ def test_agreement_flags_and_codec_ids_are_the_table():
     assert set(WIRE_WORDS) == set(flags) | set(available_codecs())
 
 
-def test_a_codec_whose_id_is_not_its_table_entry_is_refused():
+def test_a_codec_whose_name_or_id_is_taken_is_refused():
     class Stray(Codec):
-        name, codec_id = "delta", 7
+        spec = CodecSpec(name="delta", codec_id=7, summary="x")
 
-    with pytest.raises(ValueError, match="'delta' has id 7, but the wire table WIRE_WORDS gives 2"):
+    with pytest.raises(ValueError, match="codec 'delta' \\(id 7\\) clashes with the registered 'delta' \\(id 2\\)"):
         REGISTRY.register(Stray)
 
-    class Unknown(Codec):
-        name, codec_id = "zstd", 4
+    class Clash(Codec):
+        spec = CodecSpec(name="zstd", codec_id=3, summary="x")
 
-    with pytest.raises(ValueError, match="'zstd' has id 4, but the wire table WIRE_WORDS gives none"):
-        REGISTRY.register(Unknown)
+    with pytest.raises(ValueError, match="codec 'zstd' \\(id 3\\) clashes with the registered 'delta_ans'"):
+        REGISTRY.register(Clash)
+    assert "zstd" not in available_codecs()
+
+
+@pytest.mark.parametrize("name, codec_id, match", [
+    ("zstd", 0, "must be in \\[1, 255\\]"), ("zstd", 256, "must be in \\[1, 255\\]"),
+    ("failed", 9, "reserved word"), ("auto", 9, "reserved word"), ("raw", 5, "reserved word"),
+])
+def test_a_descriptor_outside_the_wire_table_is_refused(name, codec_id, match):
+    with pytest.raises(ValueError, match=match):
+        CodecSpec(name=name, codec_id=codec_id, summary="x")
+
+
+def test_a_class_without_a_descriptor_is_refused():
+    class Bare(Codec):
+        name, codec_id = "bare", 9
+
+    with pytest.raises(ValueError, match="carries its CodecSpec as `spec`"):
+        REGISTRY.register(Bare)
+
+
+def test_registering_the_same_class_again_changes_nothing():
+    cls = REGISTRY.get("delta")
+    assert REGISTRY.register(cls) is cls and REGISTRY.get("delta") is cls
+    assert available_codecs() == ["delta", "delta_ans", "exponent_reuse", "raw"]

@@ -5,7 +5,7 @@
 For each world size, ``world`` CPU processes (torch.multiprocessing, gloo on loopback) each own
 one shard of every bucket (``--buckets``, values per bucket, bf16). One iteration is:
 
-1. "optimizer step" (untimed): every rank writes the next :class:`ciera.trajectory.AdamTrajectory`
+1. "optimizer step" (untimed): every rank writes the next :class:`ciera.testing.trajectory.AdamTrajectory`
    step (lr 1e-4) into its shards;
 2. timed forward, once per mode, each mode on its own buffers (a buffer is its gather's cache): Megatron's prefetch chain -- ``start()`` bucket 0; for each bucket ``k``:
    ``start()`` bucket ``k+1``, ``wait()`` bucket ``k`` (decodes in place), then the bucket's
@@ -45,7 +45,7 @@ import torch.multiprocessing as mp
 
 from ciera.cost_model import fit_latency_bandwidth
 from ciera.measure import agree, measure_link
-from ciera.trajectory import AdamTrajectory
+from ciera.testing.trajectory import AdamTrajectory
 from tools.sim.timeline import simulate_iteration
 from tools.sim.trace import (
     CLUSTER_SCHEMA, TRACE_SCHEMA, cluster_from_dict, save_json, trace_from_dict,

@@ -15,7 +15,7 @@ What each number is and where it comes from (every assumption is also written in
   scores; at ``--mfu`` (35%) of the A100's 312 TFLOP/s bf16 peak. Iteration compute = 3 x forward
   (backward = 2 x forward); the optimizer step is left out (equal for raw and CIERA).
 * **Wire ratios**: the real codecs (``ciera.codecs``, default block sizes) run on an
-  :class:`ciera.trajectory.AdamTrajectory` sample (bf16, lr 1e-4, ``--sample-numel`` values, 30
+  :class:`ciera.testing.trajectory.AdamTrajectory` sample (bf16, lr 1e-4, ``--sample-numel`` values, 30
   warmup steps then 10 measured steps). The ratio is what the gather would send: exact payloads
   at the agreed size, i.e. the largest payload needed (16-aligned), over the raw bytes. Cached in ``<out-dir>/codec_sample.json``; the same
   sample serves every bucket (no per-type change rates: a synthetic trajectory has none).
@@ -37,7 +37,7 @@ import torch
 
 from ciera.codecs import available_codecs, make_codec, read_headers
 from ciera.measure import measure_codec_speed
-from ciera.trajectory import AdamTrajectory
+from ciera.testing.trajectory import AdamTrajectory
 from tools.sim.trace import TRACE_SCHEMA, save_json, trace_from_dict
 
 A100_BF16_FLOPS = 312e12

@@ -3,7 +3,7 @@
 
 Launched on every testbed host by ``bench_cluster.py`` (torchrun, c10d rendezvous on host 0), gloo
 over the hosts' shaped links. Every rank advances its shard along a bf16 AdamW trajectory
-(``ciera.trajectory``, lr 1e-4); each step the same new shard is gathered by
+(``ciera.testing.trajectory``, lr 1e-4); each step the same new shard is gathered by
 ``all_gather_into_tensor`` and by one CieraAllGather per mode (each codec forced with
 ``selection='always'``, and ``auto``: ``codec='auto', selection='auto'``), in an order that rotates
 every step. Every mode's buffer is compared bit for bit with the plain one after every step.
@@ -36,7 +36,7 @@ import torch.distributed as dist
 from ciera import CieraAllGather, CieraConfig
 from ciera.codecs import as_bits
 from ciera.measure import measure_link
-from ciera.trajectory import AdamTrajectory
+from ciera.testing.trajectory import AdamTrajectory
 from tools._common import timed_collective
 
 FORCED = ("exponent_reuse", "delta")

@@ -1,16 +1,7 @@
 /* What ciera/native/_lib.py reads back from the library instead of keeping a copy: the ABI
  * version, whether OpenMP is in, the statuses' names and messages, the codec ids and the layouts'
- * fields (every one an int64_t, in struct order). */
+ * fields (every one an int64_t, in struct order). The tables by codec id come from CIERA_CODECS. */
 #include "internal.h"
-
-#define CIERA_FIELD_NAME(f) " " #f
-#define CIERA_FIELD_COUNT(f) +1
-_Static_assert(sizeof(ciera_er_layout) == (0 CIERA_ER_LAYOUT(CIERA_FIELD_COUNT)) * sizeof(int64_t),
-               "every layout field is an int64_t, unpadded");
-_Static_assert(sizeof(ciera_delta_layout) == (0 CIERA_DELTA_LAYOUT(CIERA_FIELD_COUNT)) * sizeof(int64_t),
-               "every layout field is an int64_t, unpadded");
-_Static_assert(sizeof(ciera_dans_layout) == (0 CIERA_DANS_LAYOUT(CIERA_FIELD_COUNT)) * sizeof(int64_t),
-               "every layout field is an int64_t, unpadded");
 
 int ciera_abi(void) { return CIERA_ABI; }
 
@@ -46,42 +37,50 @@ const char *ciera_status_name(int status) {
     }
 }
 
+#define CIERA_CASE_NAME(id, name, sym) \
+    case id:                           \
+        return #name;
 const char *ciera_codec_name(int codec) {
     switch (codec) {
-    case CIERA_CODEC_EXPONENT_REUSE:
-        return "exponent_reuse";
-    case CIERA_CODEC_DELTA:
-        return "delta";
-    case CIERA_CODEC_DELTA_ANS:
-        return "delta_ans";
+        CIERA_CODECS(CIERA_CASE_NAME)
     default:
         return NULL;
     }
 }
+#undef CIERA_CASE_NAME
 
-/* The names with their leading space dropped. */
+#define CIERA_CASE_SYMBOL(id, name, sym) \
+    case id:                             \
+        return #sym;
+const char *ciera_codec_symbol(int codec) {
+    switch (codec) {
+        CIERA_CODECS(CIERA_CASE_SYMBOL)
+    default:
+        return NULL;
+    }
+}
+#undef CIERA_CASE_SYMBOL
+
+#define CIERA_CASE_FIELDS(id, name, sym) \
+    case id:                             \
+        return ciera_##sym##_layout_fields();
 const char *ciera_layout_fields(int codec) {
     switch (codec) {
-    case CIERA_CODEC_EXPONENT_REUSE:
-        return CIERA_ER_LAYOUT(CIERA_FIELD_NAME) + 1;
-    case CIERA_CODEC_DELTA:
-        return CIERA_DELTA_LAYOUT(CIERA_FIELD_NAME) + 1;
-    case CIERA_CODEC_DELTA_ANS:
-        return CIERA_DANS_LAYOUT(CIERA_FIELD_NAME) + 1;
+        CIERA_CODECS(CIERA_CASE_FIELDS)
     default:
         return NULL;
     }
 }
+#undef CIERA_CASE_FIELDS
 
+#define CIERA_CASE_BYTES(id, name, sym) \
+    case id:                            \
+        return ciera_##sym##_layout_bytes();
 int64_t ciera_layout_bytes(int codec) {
     switch (codec) {
-    case CIERA_CODEC_EXPONENT_REUSE:
-        return (int64_t)sizeof(ciera_er_layout);
-    case CIERA_CODEC_DELTA:
-        return (int64_t)sizeof(ciera_delta_layout);
-    case CIERA_CODEC_DELTA_ANS:
-        return (int64_t)sizeof(ciera_dans_layout);
+        CIERA_CODECS(CIERA_CASE_BYTES)
     default:
         return 0;
     }
 }
+#undef CIERA_CASE_BYTES

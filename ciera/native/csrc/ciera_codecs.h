@@ -4,7 +4,7 @@
  * on tensors' data pointers by ciera/native/_lib.py, which reads this interface back from the
  * library (ciera_layout_fields, ciera_strerror, ciera_status_name, ciera_codec_name) rather than
  * keeping a copy. The payload formats are defined by the pure-torch references in
- * ciera/codecs/{exponent_reuse,delta}.py; every function here writes the same bytes (everything
+ * ciera/codecs/<name>/codec.py; every function here writes the same bytes (everything
  * the reference writes up to `needed`, and nothing else) and decodes to the same bits. Section
  * offsets come from the Python layout dataclasses (one source of truth), filled in by field name.
  *
@@ -19,7 +19,7 @@
  * Files: internal.h (shared helpers), claims.c (work sharing), cpu.c (CPU features),
  * exponent_reuse.c, delta.c, delta_ans.c (entry points, per-call choice of path) over delta_scalar.h (portable
  * kernels), delta_avx2.h and delta_avx512.c, dispatch.c (by codec id, with the payload header),
- * abi.c (what _lib.py reads back).
+ * abi.c (what _lib.py reads back); both tables by id come from CIERA_CODECS below.
  */
 #ifndef CIERA_CODECS_H
 #define CIERA_CODECS_H
@@ -28,7 +28,7 @@
 
 /* Bumped with every change of an entry point's signature or a layout: _lib.py refuses a build
  * whose ciera_abi() differs from its own. */
-#define CIERA_ABI 5
+#define CIERA_ABI 6
 
 #define CIERA_API __attribute__((visibility("default")))
 
@@ -50,7 +50,7 @@
     X(CIERA_E_NO_TABLE, -12, "corrupt payload: a value's context has no frequency table")                  \
     X(CIERA_E_RAW_MARKS, -13, "corrupt payload: a raw block's streams are not all marked raw")             \
     X(CIERA_E_WORDS, -14, "corrupt payload: a stream holds more words than its values can emit") \
-    X(CIERA_E_CODEC, -15, "unknown codec id (not one of the CIERA_CODEC_* ids this library was built with)")
+    X(CIERA_E_CODEC, -15, "unknown codec id (not one of the CIERA_CODECS ids this library was built with)")
 
 typedef enum {
 #define CIERA_STATUS_ENUM(name, value, message) name = value,
@@ -58,42 +58,26 @@ typedef enum {
 #undef CIERA_STATUS_ENUM
 } ciera_status;
 
-/* Codec ids, as in the payload header and the Python codecs' `codec_id`: the non-negative words of
- * ciera.codecs.registry.WIRE_WORDS (0, raw, is never passed here). An entry point given any other id
- * returns CIERA_E_CODEC. */
-enum { CIERA_CODEC_EXPONENT_REUSE = 1, CIERA_CODEC_DELTA = 2, CIERA_CODEC_DELTA_ANS = 3 };
+/* The codecs this library implements, one line each: X(id, name, symbol). `id` is the codec's wire
+ * word (the codec byte of its payload header and the `codec_id` of its Python descriptor, > 0: raw,
+ * 0, is never passed here), `name` its registry name, `symbol` the prefix of its entry points
+ * ciera_<symbol>_encode / ciera_<symbol>_decode and of its layout struct ciera_<symbol>_layout. The
+ * tables by id (abi.c, dispatch.c) and the entry points _lib.py declares are derived from this list;
+ * an entry point given any other id returns CIERA_E_CODEC.
+ *
+ * Adding a codec: its own C file(s), which define its layout (CIERA_LAYOUT_STRUCT in the codec's
+ * header, CIERA_LAYOUT_INFO and ciera_<symbol>_fixed_bytes in its C file, see internal.h) and its
+ * two entry points, and one line here. */
+#define CIERA_CODECS(X)       \
+    X(1, exponent_reuse, er)  \
+    X(2, delta, delta)        \
+    X(3, delta_ans, dans)
 
 /* Layouts: one payload shape each, every field an int64_t, filled by _lib.py by name from the
- * Python layout dataclass (or its FloatFormat). X(field) lists them in struct order. */
-#define CIERA_ER_LAYOUT(X)                                                   \
-    X(numel) X(block_size) X(total_bits) X(exp_bits) X(mant_bits)           \
-    X(sm_bytes) X(n_planes) X(plane_bytes)                                   \
-    X(off_signmant) X(off_planes) X(off_bitmap) X(off_exps)
-
-#define CIERA_DELTA_LAYOUT(X)                                                \
-    X(numel) X(block_size) X(total_bits) X(exp_bits) X(mant_bits)           \
-    X(group_size) X(count_bytes) X(index_bytes) X(high_bytes)                \
-    X(off_table) X(off_counts) X(off_data)
-
-#define CIERA_DANS_LAYOUT(X)                                                 \
-    X(numel) X(block_size) X(total_bits) X(exp_bits) X(mant_bits)           \
-    X(lanes) X(steps) X(n_blocks) X(n_streams) X(n_classes) X(n_symbols)     \
-    X(prob_bits) X(high_bytes) X(max_words) X(off_map) X(map_bytes)          \
-    X(off_tables) X(table_bytes)
-
-#define CIERA_LAYOUT_FIELD(f) int64_t f;
-typedef struct {
-    CIERA_ER_LAYOUT(CIERA_LAYOUT_FIELD)
-} ciera_er_layout;
-
-typedef struct {
-    CIERA_DELTA_LAYOUT(CIERA_LAYOUT_FIELD)
-} ciera_delta_layout;
-
-typedef struct {
-    CIERA_DANS_LAYOUT(CIERA_LAYOUT_FIELD)
-} ciera_dans_layout;
-#undef CIERA_LAYOUT_FIELD
+ * Python layout dataclass (or its FloatFormat); each codec's own files define the struct. */
+#define CIERA_LAYOUT_TYPEDEF(id, name, sym) typedef struct ciera_##sym##_layout ciera_##sym##_layout;
+CIERA_CODECS(CIERA_LAYOUT_TYPEDEF)
+#undef CIERA_LAYOUT_TYPEDEF
 
 /* --- what _lib.py reads back (abi.c) ---------------------------------------------------------- */
 CIERA_API int ciera_abi(void);
@@ -105,28 +89,26 @@ CIERA_API const char *ciera_strerror(int status);
 CIERA_API const char *ciera_status_name(int status);
 /* The codec's name ("exponent_reuse", "delta"); NULL for an unknown id. */
 CIERA_API const char *ciera_codec_name(int codec);
+/* The prefix of the codec's entry points ("er": ciera_er_encode, ciera_er_decode); NULL for an
+ * unknown id. */
+CIERA_API const char *ciera_codec_symbol(int codec);
 /* The field names of the codec's layout struct in order, space separated; NULL for an unknown id. */
 CIERA_API const char *ciera_layout_fields(int codec);
 /* sizeof the codec's layout struct; 0 for an unknown id. */
 CIERA_API int64_t ciera_layout_bytes(int codec);
 
-/* --- the codecs (exponent_reuse.c, delta.c) --------------------------------------------------- */
+/* --- the codecs (one C file each, listed by CIERA_CODECS) ------------------------------------- */
 /* Encoders write the payload's sections (not the header; nothing past `capacity`), update
- * `state` and return the bytes needed (> capacity: the payload overflowed) or a status. */
-CIERA_API int64_t ciera_er_encode(const ciera_er_layout *l, const void *shard, uint8_t *state, uint8_t *out,
-                                  int64_t capacity, int threads);
-CIERA_API int64_t ciera_delta_encode(const ciera_delta_layout *l, const void *shard, void *state, uint8_t *out,
-                                     int64_t capacity, int threads);
-/* Decoders turn `target` (the previous values) into the encoded shard; CIERA_OK or a status. */
-CIERA_API int ciera_er_decode(const ciera_er_layout *l, const uint8_t *payload, int64_t length, void *target,
-                              int threads);
-CIERA_API int ciera_delta_decode(const ciera_delta_layout *l, const uint8_t *payload, int64_t length, void *target,
-                                 int threads);
-/* delta_ans (delta_ans.c): the same contract. */
-CIERA_API int64_t ciera_dans_encode(const ciera_dans_layout *l, const void *shard, void *state, uint8_t *out,
-                                    int64_t capacity, int threads);
-CIERA_API int ciera_dans_decode(const ciera_dans_layout *l, const uint8_t *payload, int64_t length, void *target,
-                                int threads);
+ * `state` and return the bytes needed (> capacity: the payload overflowed) or a status.
+ * Decoders turn `target` (the previous values) into the encoded shard; CIERA_OK or a status. */
+#define CIERA_CODEC_ENTRY_POINTS(id, name, sym)                                                              \
+    CIERA_API int64_t ciera_##sym##_encode(const ciera_##sym##_layout *l, const void *shard, void *state,   \
+                                           uint8_t *out, int64_t capacity, int threads);                    \
+    CIERA_API int ciera_##sym##_decode(const ciera_##sym##_layout *l, const uint8_t *payload, int64_t length, \
+                                       void *target, int threads);
+CIERA_CODECS(CIERA_CODEC_ENTRY_POINTS)
+#undef CIERA_CODEC_ENTRY_POINTS
+
 /* The counts delta's width table is chosen from, over values [lo, hi): hist[e * (W + 1) + L]
  * (2^E * (W + 1) entries, overwritten) = values whose previous exponent is e and whose z has bit
  * length L, counted by the path an encode on this CPU takes. For the tests. */

@@ -2,6 +2,11 @@
  * block path (delta_scalar.h's portable kernels, compiled for each CPU level, or delta_avx512.c). */
 #include "delta_scalar.h"
 
+CIERA_LAYOUT_INFO(delta, CIERA_DELTA_LAYOUT)
+
+/* The smallest payload: header, width table and counts. */
+int64_t ciera_delta_fixed_bytes(const ciera_delta_layout *l) { return l->off_data; }
+
 static int delta_supported(const ciera_delta_layout *l) {
     int fmt = (l->total_bits == 16 && ((l->mant_bits == 7 && l->exp_bits == 8) || (l->mant_bits == 10 && l->exp_bits == 5))) ||
               (l->total_bits == 32 && l->mant_bits == 23 && l->exp_bits == 8);

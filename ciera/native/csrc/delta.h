@@ -6,6 +6,13 @@
 
 #include "internal.h"
 
+/* delta's layout: every field an int64_t, read back by _lib.py by name (see CIERA_LAYOUT_INFO). */
+#define CIERA_DELTA_LAYOUT(X)                                                \
+    X(numel) X(block_size) X(total_bits) X(exp_bits) X(mant_bits)           \
+    X(group_size) X(count_bytes) X(index_bytes) X(high_bytes)                \
+    X(off_table) X(off_counts) X(off_data)
+CIERA_LAYOUT_STRUCT(delta, CIERA_DELTA_LAYOUT)
+
 #pragma GCC visibility push(hidden)
 
 #define DELTA_MAX_BLOCK 4096

@@ -1,4 +1,4 @@
-/* delta_ans: delta's symbols under interleaved rANS (the format: ciera/codecs/delta_ans.py).
+/* delta_ans: delta's symbols under interleaved rANS (the format: ciera/codecs/delta_ans/codec.py).
  *
  * Encode: one histogram pass (per thread, summed in a fixed order), the frequency tables, then
  * every block's 32 streams encoded backwards, interleaved (32 independent states: the divisions
@@ -9,6 +9,11 @@
  * 16-bit values take the AVX-512 paths of delta_ans_avx512.c where the CPU has them (the same
  * bytes and statuses; CIERA_NATIVE_AVX512=0 forces the portable ones). */
 #include "delta_ans.h"
+
+CIERA_LAYOUT_INFO(dans, CIERA_DANS_LAYOUT)
+
+/* The smallest payload: header, map and counts, no table (the counts section follows the map). */
+int64_t ciera_dans_fixed_bytes(const ciera_dans_layout *l) { return (l->off_tables + 2 * l->n_streams + 15) / 16 * 16; }
 
 static int64_t al16(int64_t n) { return (n + 15) / 16 * 16; }
 static int64_t dans_off_counts(const ciera_dans_layout *l, int64_t n_tab) {

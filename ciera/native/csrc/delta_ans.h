@@ -5,6 +5,14 @@
 
 #include "internal.h"
 
+/* delta_ans's layout: every field an int64_t, read back by _lib.py by name (see CIERA_LAYOUT_INFO). */
+#define CIERA_DANS_LAYOUT(X)                                                 \
+    X(numel) X(block_size) X(total_bits) X(exp_bits) X(mant_bits)           \
+    X(lanes) X(steps) X(n_blocks) X(n_streams) X(n_classes) X(n_symbols)     \
+    X(prob_bits) X(high_bytes) X(max_words) X(off_map) X(map_bytes)          \
+    X(off_tables) X(table_bytes)
+CIERA_LAYOUT_STRUCT(dans, CIERA_DANS_LAYOUT)
+
 #pragma GCC visibility push(hidden)
 
 #define DANS_LANES 32

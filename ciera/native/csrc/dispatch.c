@@ -1,4 +1,4 @@
-/* The entry points by codec id, with the payload header: Codec.encode / Codec.decode on CPU in
+/* The entry points by codec id (the tables from CIERA_CODECS), with the payload header: Codec.encode / Codec.decode on CPU in
  * one call each, and decode_many. The header is written and checked here, so the Python side does
  * no tensor operation around the codec (each costs tens of microseconds once the codec's streams
  * have left the caches: serial time that no thread count shortens). */
@@ -8,40 +8,56 @@
 #define CIERA_MAGIC 0xC1E7AL
 #define CIERA_FLAG_OVERFLOW 1
 
+#define CIERA_CASE_KNOWN(id, name, sym) case id:
 static int known_codec(int codec) {
-    return codec == CIERA_CODEC_EXPONENT_REUSE || codec == CIERA_CODEC_DELTA || codec == CIERA_CODEC_DELTA_ANS;
+    switch (codec) {
+        CIERA_CODECS(CIERA_CASE_KNOWN)
+        return 1;
+    default:
+        return 0;
+    }
 }
+#undef CIERA_CASE_KNOWN
 
 /* The smallest payload of the codec's layout: header and fixed sections; CIERA_E_CODEC for an
  * unknown id. */
+#define CIERA_CASE_FIXED(id, name, sym) \
+    case id:                            \
+        return ciera_##sym##_fixed_bytes(layout);
 static int64_t fixed_bytes(int codec, const void *layout) {
     switch (codec) {
-    case CIERA_CODEC_EXPONENT_REUSE:
-        return ((const ciera_er_layout *)layout)->off_exps;
-    case CIERA_CODEC_DELTA:
-        return ((const ciera_delta_layout *)layout)->off_data;
-    case CIERA_CODEC_DELTA_ANS: {
-        const ciera_dans_layout *l = layout; /* no tables: the counts section follows the map */
-        return (l->off_tables + 2 * l->n_streams + 15) / 16 * 16;
-    }
+        CIERA_CODECS(CIERA_CASE_FIXED)
     default:
         return CIERA_E_CODEC;
     }
 }
+#undef CIERA_CASE_FIXED
 
+#define CIERA_CASE_DECODE(id, name, sym) \
+    case id:                             \
+        return ciera_##sym##_decode(layout, payload, length, target, threads);
 static int decode_by_id(int codec, const void *layout, const uint8_t *payload, int64_t length, void *target,
                         int threads) {
     switch (codec) {
-    case CIERA_CODEC_EXPONENT_REUSE:
-        return ciera_er_decode(layout, payload, length, target, threads);
-    case CIERA_CODEC_DELTA:
-        return ciera_delta_decode(layout, payload, length, target, threads);
-    case CIERA_CODEC_DELTA_ANS:
-        return ciera_dans_decode(layout, payload, length, target, threads);
+        CIERA_CODECS(CIERA_CASE_DECODE)
     default:
         return CIERA_E_CODEC;
     }
 }
+#undef CIERA_CASE_DECODE
+
+#define CIERA_CASE_ENCODE(id, name, sym) \
+    case id:                             \
+        return ciera_##sym##_encode(layout, shard, state, out, capacity, threads);
+static int64_t encode_by_id(int codec, const void *layout, const void *shard, void *state, uint8_t *out,
+                            int64_t capacity, int threads) {
+    switch (codec) {
+        CIERA_CODECS(CIERA_CASE_ENCODE)
+    default:
+        return CIERA_E_CODEC;
+    }
+}
+#undef CIERA_CASE_ENCODE
 
 /* Headers are checked before a payload is decoded. */
 int ciera_decode_many(int codec, const void *layout, const uint8_t *payloads, int64_t payloads_len,
@@ -72,20 +88,7 @@ int64_t ciera_encode(int codec, const void *layout, const void *shard, void *sta
                      int threads) {
     if (!known_codec(codec)) return CIERA_E_CODEC;
     if (capacity < 32) return CIERA_E_ARGS;
-    int64_t needed;
-    switch (codec) {
-    case CIERA_CODEC_EXPONENT_REUSE:
-        needed = ciera_er_encode(layout, shard, (uint8_t *)state, out, capacity, threads);
-        break;
-    case CIERA_CODEC_DELTA:
-        needed = ciera_delta_encode(layout, shard, state, out, capacity, threads);
-        break;
-    case CIERA_CODEC_DELTA_ANS:
-        needed = ciera_dans_encode(layout, shard, state, out, capacity, threads);
-        break;
-    default:
-        return CIERA_E_CODEC;
-    }
+    int64_t needed = encode_by_id(codec, layout, shard, state, out, capacity, threads);
     if (needed < 0) return needed;
     int64_t h[4] = {(int64_t)((CIERA_MAGIC << 8) | codec), needed > capacity ? CIERA_FLAG_OVERFLOW : 0, needed,
                     capacity};

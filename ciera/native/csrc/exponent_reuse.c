@@ -2,6 +2,17 @@
  * AVX-512 tile paths for bf16 with blocks of 8 (the default), and the threaded entry points. */
 #include "internal.h"
 
+/* exponent_reuse's layout: every field an int64_t, read back by _lib.py by name. */
+#define CIERA_ER_LAYOUT(X)                                                   \
+    X(numel) X(block_size) X(total_bits) X(exp_bits) X(mant_bits)           \
+    X(sm_bytes) X(n_planes) X(plane_bytes)                                   \
+    X(off_signmant) X(off_planes) X(off_bitmap) X(off_exps)
+CIERA_LAYOUT_STRUCT(er, CIERA_ER_LAYOUT)
+CIERA_LAYOUT_INFO(er, CIERA_ER_LAYOUT)
+
+/* The smallest payload: header and the fixed sections, no changed block. */
+int64_t ciera_er_fixed_bytes(const ciera_er_layout *l) { return l->off_exps; }
+
 /* Values a chunk must be a multiple of: whole bitmap bytes (8 blocks) and whole plane bytes. */
 static int64_t er_unit(const ciera_er_layout *l) {
     int64_t u = 8 * l->block_size;
@@ -218,8 +229,9 @@ static int64_t er_encode_claim(const ciera_er_layout *l, const void *shard, uint
  * exponents straight into their slots while the tile is hot; the others encode from the back,
  * those exponents into scratch, copied to their slots once every claim's count is known. Larger
  * blocks copy the exponents from the state afterwards, by the bitmap. */
-int64_t ciera_er_encode(const ciera_er_layout *l, const void *shard, uint8_t *state, uint8_t *out,
+int64_t ciera_er_encode(const ciera_er_layout *l, const void *shard, void *state_bytes, uint8_t *out,
                         int64_t capacity, int threads) {
+    uint8_t *state = state_bytes; /* one exponent byte per value */
     if (!er_supported(l) || capacity < l->off_exps) return CIERA_E_ARGS;
     const int64_t n = l->numel, B = l->block_size, unit = er_unit(l);
     const int64_t slots = er_slots(l, capacity), units = (n + unit - 1) / unit;

@@ -46,6 +46,33 @@
 /* Everything declared from here to the pop is the library's own, never exported. */
 #pragma GCC visibility push(hidden)
 
+/* ---- what each codec's files define besides its entry points --------------------------------- */
+/* ciera_<symbol>_layout_fields / _layout_bytes (CIERA_LAYOUT_INFO: what abi.c reads back) and
+ * ciera_<symbol>_fixed_bytes, the smallest payload of a layout (header and fixed sections: what
+ * dispatch.c checks a header's needed bytes against). */
+#define CIERA_CODEC_INTERNALS(id, name, sym)          \
+    const char *ciera_##sym##_layout_fields(void);    \
+    int64_t ciera_##sym##_layout_bytes(void);         \
+    int64_t ciera_##sym##_fixed_bytes(const ciera_##sym##_layout *l);
+CIERA_CODECS(CIERA_CODEC_INTERNALS)
+#undef CIERA_CODEC_INTERNALS
+
+/* A layout's fields are an X-macro list FIELDS(X) of names, in struct order, every one an int64_t.
+ * In the codec's header: CIERA_LAYOUT_STRUCT(symbol, FIELDS) defines struct ciera_<symbol>_layout;
+ * in one of its C files: CIERA_LAYOUT_INFO(symbol, FIELDS) defines what abi.c reads back. */
+#define CIERA_LAYOUT_FIELD(f) int64_t f;
+#define CIERA_LAYOUT_FIELD_NAME(f) " " #f
+#define CIERA_LAYOUT_FIELD_COUNT(f) +1
+#define CIERA_LAYOUT_STRUCT(sym, FIELDS) \
+    struct ciera_##sym##_layout {        \
+        FIELDS(CIERA_LAYOUT_FIELD)       \
+    };
+#define CIERA_LAYOUT_INFO(sym, FIELDS)                                                                       \
+    _Static_assert(sizeof(ciera_##sym##_layout) == (0 FIELDS(CIERA_LAYOUT_FIELD_COUNT)) * sizeof(int64_t),   \
+                   "every layout field is an int64_t, unpadded");                                            \
+    const char *ciera_##sym##_layout_fields(void) { return FIELDS(CIERA_LAYOUT_FIELD_NAME) + 1; }            \
+    int64_t ciera_##sym##_layout_bytes(void) { return (int64_t)sizeof(ciera_##sym##_layout); }
+
 /* ---- byte access ---------------------------------------------------------------------------- */
 ALWAYS_INLINE uint32_t load_u(const void *p, int64_t i, int W) {
     return W == 16 ? (uint32_t)((const uint16_t *)p)[i] : ((const uint32_t *)p)[i];

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ciera.codecs.delta import DeltaLayout
+from ciera.codecs.delta.codec import DeltaLayout
 from ciera.kernels.lookback import look_back as _look_back
 from ciera.kernels.lookback import tile_ticket as _tile_id
 

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from ciera.codecs.deferred import DeviceError
-from ciera.codecs.delta_ans import LANES, RAW_MARK, DeltaAnsLayout
+from ciera.codecs.delta_ans.codec import LANES, RAW_MARK, DeltaAnsLayout
 
 _MARK = tl.constexpr(RAW_MARK)
 """The raw marker, visible inside kernels."""

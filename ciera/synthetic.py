@@ -1,14 +1,16 @@
-"""Synthetic parameter trajectories: what a shard looks like from one gather to the next.
+"""A synthetic parameter shard from one gather to the next, for timing codecs on realistic changes.
 
-Tests, benchmarks and tools need the same realistic input: fp32 master weights updated by AdamW on
-noisy gradients with a persistent component, cast to the gathered dtype after every step, as
-Megatron's distributed optimizer does. Adversarial trajectories (every exponent changing, bursts
-of NaN/Inf, sign flips, zeros, a shard replaced wholesale) exercise the corners of the codecs.
+fp32 master weights updated by AdamW on noisy gradients with a persistent component, cast to the
+gathered dtype after every step, as Megatron's distributed optimizer does.
+:func:`ciera.measure.measure_codec_speed` times the codecs on it; the tests, benchmarks and tools use
+it through :mod:`ciera.testing.trajectory`, next to its adversarial steps.
 """
 
 from __future__ import annotations
 
 import torch
+
+__all__ = ["AdamTrajectory"]
 
 
 class AdamTrajectory:
@@ -64,43 +66,3 @@ class AdamTrajectory:
         self.master.mul_(1 - self.lr * self.weight_decay)
         self.master.addcdiv_(m_hat, v_hat.sqrt().add_(self.eps), value=-self.lr)
         return self.current()
-
-
-def adversarial_step(
-    x: torch.Tensor, *, kind: str, gen: torch.Generator, fraction: float = 0.01
-) -> torch.Tensor:
-    """A new version of ``x`` (same dtype) that stresses the codecs.
-
-    ``kind``: ``all_exponents`` (every value rescaled by a power of two), ``nan_inf`` (a burst of
-    NaNs with payloads and +-Inf), ``sign_flip``, ``zeros`` (+-0.0 and subnormals),
-    ``replace`` (a completely new shard), ``same`` (no change).
-    """
-    from ciera.codecs.formats import as_bits
-
-    y = x.clone()
-    n = x.numel()
-    if n == 0 or kind == "same":
-        return y
-    pick = torch.rand(n, generator=gen) < fraction
-    if kind == "all_exponents":
-        return (x.float() * 2.0 ** torch.randint(-3, 4, (n,), generator=gen).float()).to(x.dtype)
-    if kind == "replace":
-        return (torch.randn(n, generator=gen) * 10.0 ** torch.randint(-6, 3, (n,), generator=gen).float()).to(x.dtype)
-    if kind == "sign_flip":
-        y[pick] = -y[pick]
-        return y
-    if kind == "zeros":
-        tiny = torch.finfo(x.dtype).tiny
-        subnormal = torch.tensor([0.0, -0.0, tiny / 4, -tiny / 2], dtype=torch.float32).to(x.dtype)
-        y[pick] = subnormal[torch.randint(0, 4, (int(pick.sum()),), generator=gen)]
-        return y
-    if kind == "nan_inf":
-        bits = as_bits(y)
-        specials = torch.tensor([float("inf"), float("-inf"), float("nan")], dtype=torch.float32).to(x.dtype)
-        y[pick] = specials[torch.randint(0, 3, (int(pick.sum()),), generator=gen)]
-        # NaNs with distinct payloads: set random low mantissa bits on the NaNs.
-        nan = torch.isnan(y)
-        payload = torch.randint(1, 1 << 6, (int(nan.sum()),), generator=gen).to(bits.dtype)
-        bits[nan] = bits[nan] | payload
-        return y
-    raise ValueError(f"unknown adversarial kind {kind!r}")

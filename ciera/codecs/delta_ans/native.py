@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..codecs.delta_ans import DeltaAnsCodec
-from . import _lib
+from ...native import _lib
+from .codec import DeltaAnsCodec
 
 NAME = DeltaAnsCodec.name
 

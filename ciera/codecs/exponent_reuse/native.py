@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..codecs.exponent_reuse import ExponentReuseCodec
-from . import _lib
+from ...native import _lib
+from .codec import ExponentReuseCodec
 
 NAME = ExponentReuseCodec.name
 

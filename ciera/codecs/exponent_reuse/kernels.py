@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ciera.codecs.exponent_reuse import ExponentReuseLayout
+from ciera.codecs.exponent_reuse.codec import ExponentReuseLayout
 from ciera.kernels.lookback import look_back, scratch, tile_ticket
 
 _TILE_VALUES = 4096

@@ -1,6 +1,6 @@
 """Real-layout trajectories: a tiny MoE trained with AdamW, its bf16 buffer sharded as Megatron does.
 
-:class:`ciera.trajectory.AdamTrajectory` gives every value the same statistics. A real bucket does
+:class:`ciera.testing.trajectory.AdamTrajectory` gives every value the same statistics. A real bucket does
 not: Megatron's distributed optimizer lays the parameters one after the other in a flat buffer
 (reverse registration order, each start aligned to 64 values, the end padded to ``lcm(R, 128)``) and
 gives rank ``r`` the ``r``-th contiguous equal shard, across parameter boundaries. So one rank's

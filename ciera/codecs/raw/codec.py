@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from .base import HEADER_BYTES, Codec, PayloadHeader, align_up, write_header
-from .registry import WIRE_WORDS, register_codec
+from ..base import HEADER_BYTES, Codec, PayloadHeader, align_up, write_header
+from ..registry import FLAG_WORDS, CodecSpec, register_codec
 
 
 @register_codec
 class RawCodec(Codec):
     """Sends every byte. Stateless; never overflows at capacity >= ``max_bytes``."""
 
-    name = "raw"
-    codec_id = WIRE_WORDS["raw"]
-    reads_previous = "nothing"
+    spec = CodecSpec(name="raw", codec_id=FLAG_WORDS["raw"], reads_previous="nothing",
+                     summary="never compresses: every gather is a plain all_gather_into_tensor")
 
     def __init__(self, *, dtype: torch.dtype, numel: int, backend: str = "auto", block_size: int = 1):
         super().__init__(dtype=dtype, numel=numel, backend=backend)
@@ -43,3 +42,8 @@ class RawCodec(Codec):
         self._check_shard(target, "target")
         self._check_payload(payload, header)
         target.view(torch.uint8).copy_(payload[HEADER_BYTES : HEADER_BYTES + self.raw_bytes])
+
+
+__all__ = [
+    "RawCodec",
+]

@@ -60,42 +60,13 @@ from typing import NamedTuple
 
 import torch
 
-from .base import HEADER_BYTES, Codec, align_up, decode_many_loop
-from .formats import FloatFormat, as_bits, from_unsigned, to_unsigned
-from .registry import register_codec
+from ..base import HEADER_BYTES, align_up, decode_many_loop
+from ..formats import from_unsigned, to_unsigned
+from ..patterns import DeltaShapeLayout, PatternStateCodec, bit_length, exponent_of, unzigzag_add, zigzag
+from ..registry import CodecSpec, register_codec
 
 GROUP = 64
 """Most values in one byte-aligned bit stream."""
-
-@dataclass(frozen=True)
-class DeltaShapeLayout:
-    """What ``delta`` and ``delta_ans`` payloads share for one shard shape: values of one format
-    coded as zigzagged differences of whole bit patterns, in the context of each previous value's
-    exponent, in blocks of ``block_size`` values (a trailing block may be partial)."""
-
-    fmt: FloatFormat
-    """Float format of the shard's values."""
-    numel: int
-    """Values of the shard."""
-    block_size: int
-    """``B``: values per block, the unit of the raw escape."""
-
-    @property
-    def width(self) -> int:
-        """``W``: bits of one value's pattern, the widest difference ``z`` a value can need."""
-        return self.fmt.total_bits
-
-    @property
-    def n_classes(self) -> int:
-        """Contexts: one per exponent field value of the previous value (width tables in ``delta``,
-        frequency tables in ``delta_ans``)."""
-        return 1 << self.fmt.exp_bits
-
-    @property
-    def n_blocks(self) -> int:
-        """Blocks of the shard, the last one possibly partial."""
-        return -(-self.numel // self.block_size)
-
 
 @dataclass(frozen=True)
 class DeltaLayout(DeltaShapeLayout):
@@ -125,11 +96,6 @@ class DeltaLayout(DeltaShapeLayout):
         return 1 if self.block_size <= 256 else 2
 
     @property
-    def high_bytes(self) -> int:
-        """``S``: bytes of one exception's high part, and of one value of a raw block."""
-        return self.fmt.itemsize
-
-    @property
     def exception_bits(self) -> int:
         """``E``: bits of one exception record, the price the width choice weighs."""
         return 8 * (self.index_bytes + self.high_bytes)
@@ -151,32 +117,6 @@ class DeltaLayout(DeltaShapeLayout):
         G = self.group_size
         first = torch.arange(self.n_blocks * self.groups_per_block, dtype=torch.int64, device=device) * G
         return (self.numel - first).clamp(0, G).view(self.n_blocks, self.groups_per_block)
-
-
-# -- pieces shared by the reference and the Triton glue ----------------------------------------
-def zigzag(fmt: FloatFormat, u_new: torch.Tensor, u_old: torch.Tensor) -> torch.Tensor:
-    """``zigzag((u_new - u_old) mod 2^W)`` of unsigned patterns (from :func:`to_unsigned`)."""
-    W = fmt.total_bits
-    mask = (1 << W) - 1
-    d = (u_new - u_old) & mask
-    return ((d << 1) ^ -(d >> (W - 1))) & mask
-
-
-def unzigzag_add(fmt: FloatFormat, u_old: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`zigzag`: ``(u_old + unzigzag(z)) mod 2^W``."""
-    mask = (1 << fmt.total_bits) - 1
-    return (u_old + ((z >> 1) ^ -(z & 1))) & mask
-
-
-def exponent_of(fmt: FloatFormat, u: torch.Tensor) -> torch.Tensor:
-    """Exponent field of unsigned patterns: the width-table class."""
-    return (u >> fmt.mant_bits) & ((1 << fmt.exp_bits) - 1)
-
-
-def bit_length(z: torch.Tensor, width: int) -> torch.Tensor:
-    """Bits needed by integers in [0, 2^width) (0 for 0), in ``z``'s dtype. ``frexp`` is exact on
-    integers the float type holds exactly: float32 below 2^24, float64 below 2^53."""
-    return torch.frexp(z.to(torch.float32 if width <= 24 else torch.float64))[1].to(z.dtype)
 
 
 def choose_table(layout: DeltaLayout, hist: torch.Tensor) -> torch.Tensor:
@@ -394,16 +334,18 @@ def decode_many_reference(*, layout, payloads: torch.Tensor, rows: torch.Tensor,
 
 
 @register_codec
-class DeltaCodec(Codec):
+class DeltaCodec(PatternStateCodec):
     """Temporal delta, widths predicted by each value's previous exponent, exceptions per block.
     State: previous bit patterns."""
 
-    name = "delta"
-    codec_id = 2
+    spec = CodecSpec(
+        name="delta", codec_id=2, reads_previous="values", auto=True, block_size_option="delta_block_size",
+        native="ciera.codecs.delta.native", kernels="ciera.codecs.delta.kernels",
+        summary="temporal delta of whole bit patterns at widths the previous exponent predicts: nearly as few "
+                "bytes as delta_ans, faster")
     encode_reference = staticmethod(encode_reference)
     decode_reference = staticmethod(decode_reference)
     decode_many_reference = staticmethod(decode_many_reference)
-    kernels = "ciera.kernels.delta"
 
     def __init__(self, *, dtype: torch.dtype, numel: int, backend: str = "auto", block_size: int = 128):
         super().__init__(dtype=dtype, numel=numel, backend=backend)
@@ -420,15 +362,8 @@ class DeltaCodec(Codec):
     def max_bytes(self) -> int:
         return self.layout.off_data + self.raw_bytes
 
-    def new_state(self, *, shard: torch.Tensor) -> torch.Tensor:
-        self._check_shard(shard)
-        return as_bits(shard).clone()
 
-    def reset_state(self, *, state: torch.Tensor, shard: torch.Tensor) -> None:
-        self._check_shard(shard)
-        state.copy_(as_bits(shard))
-
-    def _check_state(self, state) -> None:
-        if state is None or state.dtype != self.fmt.bits_dtype or state.numel() != self.numel:
-            raise ValueError(f"delta: state must be the {self.fmt.bits_dtype} bit patterns of {self.numel} values "
-                             "(from new_state)")
+__all__ = [
+    "GROUP", "BlockPlan", "DeltaCodec", "DeltaLayout", "choose_table", "count_field", "decode_many_reference",
+    "decode_reference", "encode_reference", "histogram_reference", "plan_blocks", "read_counts",
+]

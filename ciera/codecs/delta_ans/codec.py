@@ -72,10 +72,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import HEADER_BYTES, Codec, align_up, decode_many_loop
-from .delta import DeltaShapeLayout, bit_length, exponent_of, unzigzag_add, zigzag
-from .formats import as_bits, from_unsigned, to_unsigned
-from .registry import register_codec
+from ..base import HEADER_BYTES, align_up, decode_many_loop
+from ..formats import from_unsigned, to_unsigned
+from ..patterns import DeltaShapeLayout, PatternStateCodec, bit_length, exponent_of, unzigzag_add, zigzag
+from ..registry import CodecSpec, register_codec
 
 LANES = 32
 """Streams per block: one warp's lanes."""
@@ -114,11 +114,6 @@ class DeltaAnsLayout(DeltaShapeLayout):
     @property
     def prob_bits(self) -> int:
         return PROB_BITS
-
-    @property
-    def high_bytes(self) -> int:
-        """``S``: bytes of one value in a raw block."""
-        return self.fmt.itemsize
 
     @property
     def max_words(self) -> int:
@@ -402,16 +397,17 @@ def decode_many_reference(*, layout, payloads: torch.Tensor, rows: torch.Tensor,
 
 
 @register_codec
-class DeltaAnsCodec(Codec):
+class DeltaAnsCodec(PatternStateCodec):
     """Temporal delta, entropy-coded (interleaved rANS) in the context of each value's previous
     exponent; raw blocks as the escape. State: previous bit patterns."""
 
-    name = "delta_ans"
-    codec_id = 3
+    spec = CodecSpec(
+        name="delta_ans", codec_id=3, reads_previous="values", auto=True, block_size_option=None,
+        native="ciera.codecs.delta_ans.native", kernels="ciera.codecs.delta_ans.kernels",
+        summary="delta's changes entropy-coded (interleaved rANS): fewest bytes, slowest")
     encode_reference = staticmethod(encode_reference)
     decode_reference = staticmethod(decode_reference)
     decode_many_reference = staticmethod(decode_many_reference)
-    kernels = "ciera.kernels.delta_ans"
 
     def __init__(self, *, dtype: torch.dtype, numel: int, backend: str = "auto", block_size: int = 32768):
         super().__init__(dtype=dtype, numel=numel, backend=backend)
@@ -429,15 +425,8 @@ class DeltaAnsCodec(Codec):
     def max_bytes(self) -> int:
         return self.layout.off_data(0) + self.raw_bytes
 
-    def new_state(self, *, shard: torch.Tensor) -> torch.Tensor:
-        self._check_shard(shard)
-        return as_bits(shard).clone()
 
-    def reset_state(self, *, state: torch.Tensor, shard: torch.Tensor) -> None:
-        self._check_shard(shard)
-        state.copy_(as_bits(shard))
-
-    def _check_state(self, state) -> None:
-        if state is None or state.dtype != self.fmt.bits_dtype or state.numel() != self.numel:
-            raise ValueError(f"delta_ans: state must be the {self.fmt.bits_dtype} bit patterns of {self.numel} "
-                             "values (from new_state)")
+__all__ = [
+    "DIRECT", "LANES", "PROB_BITS", "RAW_MARK", "STATE_LOW", "DeltaAnsCodec", "DeltaAnsLayout",
+    "decode_many_reference", "decode_reference", "encode_reference", "quantize", "symbols",
+]

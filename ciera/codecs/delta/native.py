@@ -1,4 +1,4 @@
-"""Native ``delta``: same signatures as :mod:`ciera.codecs.delta`'s references."""
+"""Native ``delta`` (csrc/delta.c): same signatures as :mod:`ciera.codecs.delta`'s references."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import ctypes
 
 import torch
 
-from ..codecs.delta import DeltaCodec, DeltaLayout
-from . import _lib
+from ...native import _lib
+from .codec import DeltaCodec, DeltaLayout
 
 NAME = DeltaCodec.name
 
