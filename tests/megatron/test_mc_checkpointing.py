@@ -731,7 +731,7 @@ def test_sigkill_mid_run_then_resume_is_bit_exact(tmp_path):
         argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29713",
                 "pretrain_gpt.py", *_flags(*flags, "--save", str(ckpt), "--save-interval", "4", iters=8),
                 "--ciera-loss-log", str(log)]
-        proc = subprocess.Popen(argv, cwd=os.path.dirname(checkpointing.__file__) + "/../..", start_new_session=True,
+        proc = subprocess.Popen(argv, cwd=os.path.dirname(checkpointing.__file__) + "/../../..", start_new_session=True,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 240
         while checkpointing.latest_iteration(str(ckpt)) != 4 and time.time() < deadline:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from ciera.testing import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TABLE_TOTAL = re.compile(r"^total\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x", re.M)
 
 
