@@ -65,11 +65,11 @@ import torch
 import torch.distributed as dist
 
 from megatron.ciera.app import checkpoint_async, failfast, fsdp_dtensor_checkpoint, torch_checkpoint
-from megatron.ciera.binding.checkpoint_fixes import fit_optimizer_layout, torch_adam_step_fix
 from megatron.ciera.app.checkpoint_publish import (CHECKSUMS, TRACKER, begin, complete_iterations, iteration_dir,
-                                               latest_iteration, print0, publish, remove_interrupted, verify)
+                                                   latest_iteration, print0, publish, remove_interrupted, verify)
 from megatron.ciera.app.checkpoint_state import (CONTENT_METADATA, common_entries, model_keys, parallel_layout,
-                                             rng_state, set_rng_state, sharded_state_dict, unwrap)
+                                                 rng_state, set_rng_state, sharded_state_dict, unwrap)
+from megatron.ciera.binding.checkpoint_fixes import fit_optimizer_layout, torch_adam_step_fix
 
 __all__ = ["TRACKER", "CHECKSUMS", "preflight", "save", "write", "async_queue", "finalize_async_saves", "load", "latest_iteration", "iteration_dir",
            "complete_iterations", "verify"]

@@ -22,8 +22,8 @@ import os
 
 import torch
 
-from megatron.ciera.binding.checkpoint_fixes import fsdp_dtensor_every_param_state
 from megatron.ciera.app.checkpoint_state import CHECKPOINT_VERSION, rng_state, saved_args, set_rng_state
+from megatron.ciera.binding.checkpoint_fixes import fsdp_dtensor_every_param_state
 
 __all__ = ["SHARDING_TYPE", "is_fsdp_dtensor_checkpoint", "save", "saved_keys", "saved_args_of", "load"]
 
