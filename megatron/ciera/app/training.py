@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from megatron.ciera.binding import report
+from megatron.ciera.binding.report import bucket_table, totals
 from megatron.ciera.binding.engines import binding_for
 from megatron.ciera.binding.protocol import Binding
 
@@ -335,7 +335,7 @@ def _log_interval(run: _Run, grad_norm, num_zeros, interval_start: float) -> Non
     interval_stats = interval_bytes = None
     if stats is not None:  # the iteration line and the table show this log interval
         interval_stats = logging_utils.since(stats, run.logged_stats)
-        interval_bytes = report.totals(interval_stats)
+        interval_bytes = totals(interval_stats)
         run.logged_stats = stats
     pnorm = logging_utils.params_norm(torch.nn.ModuleList([_unwrapped(c) for c in run.model]), expert_group=run.ep_group) if args.log_params_norm else None
     throughput = (logging_utils.throughput_tflops(args, seconds_per_iteration=seconds, world_size=dist.get_world_size())
@@ -357,7 +357,7 @@ def _log_interval(run: _Run, grad_norm, num_zeros, interval_start: float) -> Non
     if block:
         _print0(block)
     if interval_stats and args.ciera_log_buckets:
-        _print0(report.bucket_table(
+        _print0(bucket_table(
             interval_stats, f"CIERA buckets, iterations {it - len(steps) + 1}-{it} (bytes rank 0 received):"))
     if run.selection_log is not None and (line := run.selection_log.interval_line()):
         _print0(line)
