@@ -2,7 +2,8 @@
 ``--use-megatron-fsdp``) and what this entry point does not do with them, called by
 :func:`megatron.ciera.app.arguments.validate_args`. The engines themselves
 (:mod:`megatron.ciera.binding.fsdp2`, :mod:`megatron.ciera.binding.megatron_fsdp`) take no
-arguments namespace: they get configs built here, in the application.
+arguments namespace: the application builds their configs (:mod:`megatron.ciera.app.model`,
+:func:`megatron.ciera.app.arguments.ciera_config_from_args`).
 
 ``ciera_config``: a call returning the run's :class:`ciera.CieraConfig` (it may raise ``ValueError``,
 reported as the flags' error like :class:`ciera.zero3.Zero3Gather`'s own checks).
