@@ -4,14 +4,14 @@ The model chunk is wrapped in megatron-core's ``TorchFullyShardedDataParallel`` 
 Megatron-LM's ``get_model`` does (every transformer layer and the embedding its own FSDP2 unit, the
 root last; ``--torch-fsdp2-no-reshard-after-forward`` keeps the gathered parameters for the
 backward). Every unit's parameters are gathered in its forward and, resharded after it, again in
-its backward. With ``--ciera-allgather`` :meth:`Fsdp2Binding.install` puts :func:`ciera.fsdp2.enable`
-on every unit: right after each optimizer step (:meth:`Fsdp2Binding.after_optimizer_step`, once
-Megatron's optimizer has copied its main parameters into the model's) every unit's shard is encoded
-with one agreement for all units, and the step's later gathers replay against the receiver cache
-(``--ciera-cache``).
+its backward. With ``--ciera-allgather`` :func:`install` puts :func:`ciera.fsdp2.enable` on every
+unit: right after each optimizer step (:func:`after_optimizer_step`, once Megatron's optimizer has
+copied its main parameters into the model's) every unit's shard is encoded with one agreement for
+all units, and the step's later gathers replay against the receiver cache (``--ciera-cache``).
 
-:class:`Fsdp2Binding` is the training loop's binding of this engine
-(:class:`megatron.ciera.binding.protocol.Binding`).
+The functions after :func:`wrap` are this engine's CIERA binding, with the names and arguments of
+:mod:`megatron.ciera.binding.bucket_group`'s (the distributed optimizer's); :class:`Fsdp2Binding`
+offers them to a training loop as a :class:`megatron.ciera.binding.protocol.Binding`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import torch
 
 from . import sharded_binding as shared
 
-__all__ = ["Fsdp2Binding", "planned_units"]
+__all__ = ["Fsdp2Binding", "wrap", "install", "after_optimizer_step", "invalidate_param_caches", "bucket_stats",
+           "summary", "cache_bytes", "planned_units"]
 
 _ATTR = "_ciera_fsdp2_gathers"  # the Fsdp2Gathers of a wrapped chunk
 
@@ -51,6 +52,17 @@ def _wrapper_class():
                     p.grad.mul_(scaling_factor)
 
     return Fsdp2DataParallel
+
+
+def wrap(chunks: list, *, config, reshard_after_forward: bool = True) -> list:
+    """Each model chunk in megatron-core's ``TorchFullyShardedDataParallel`` with upstream's config
+    (``reshard_after_forward``: not ``--torch-fsdp2-no-reshard-after-forward``; every other field
+    its default, as Megatron-LM's ``get_model``)."""
+    from megatron.core.distributed.torch_fully_sharded_data_parallel_config import (
+        TorchFullyShardedDataParallelConfig)
+
+    ddp_config = TorchFullyShardedDataParallelConfig(reshard_after_forward=reshard_after_forward)
+    return [_wrapper_class()(config=config, ddp_config=ddp_config, module=chunk) for chunk in chunks]
 
 
 def _units(chunk) -> Iterable[tuple[str, torch.nn.Module]]:
@@ -97,13 +109,79 @@ def planned_units(model) -> tuple[list[tuple[int, int, torch.dtype]], int]:
     return units, sharded
 
 
+def install(model: list, config, optimizer_config=None, log: Callable[[str], None] | None = None,
+            optimizer=None) -> int:
+    """CIERA's gather on every FSDP2 unit of every wrapped chunk (before the first forward), the
+    shards encoded once per optimizer step (:func:`after_optimizer_step`). Returns the number of
+    units with parameters (those that gather). ``optimizer_config`` and ``optimizer`` are unused
+    (same signature as the distributed optimizer's binding)."""
+    import ciera.fsdp2
+
+    budget = shared.measure_budget(model, config)
+    n = 0
+    for chunk in model:
+        if getattr(chunk, _ATTR, None) is not None:
+            raise RuntimeError("CIERA already installed on this FSDP2 model")
+        gathers = ciera.fsdp2.enable(chunk.module, config=config, group=chunk.process_group, budget=budget,
+                                     stepped=True)
+        setattr(chunk, _ATTR, gathers)
+        n += sum(1 for _, unit in _units(chunk) if _unit_shard(unit, chunk.device_mesh.size())[0])
+    units, sharded = planned_units(model)
+    shared.log_planned_cache(log, config=config, units=units, sharded=sharded, budget=budget)
+    return n
+
+
 def _gathers(model) -> list:
     return shared.gathers_of(model, _ATTR)
 
 
+def after_optimizer_step(model, *, overlap_param_gather: bool = False) -> None:
+    """The step wrote every unit's shard (Megatron's optimizer has copied its main parameters into
+    the model's; a step it skipped leaves them as they were, encoded again unchanged): every unit is
+    encoded now, one agreement for all of them."""
+    for g in _gathers(model):
+        g.step()
+
+
+def raise_pending_errors(model) -> None:
+    """Before a checkpoint: raise a corrupt payload that a device decode found and has not reported."""
+    shared.raise_pending_errors(model, _ATTR)
+
+
+def invalidate_param_caches(model) -> None:
+    """After a checkpoint load: every unit's next gather is raw and refills the caches."""
+    shared.invalidate(model, _ATTR)
+
+
+def bucket_stats(model) -> list[tuple[str, object]]:
+    """``(unit name, stats)`` for every unit that gathered, in module order
+    (``bucket_group.bucket_stats``'s form; a unit without parameters never gathers)."""
+    out = []
+    for i, g in enumerate(_gathers(model)):
+        for name, gather in g.gathers.items():
+            if gather.stats.gathers:
+                out.append((("" if i == 0 else f"chunk{i}.") + _short(name), gather.stats))
+    return out
+
+
+def summary(model) -> str:
+    """The closing summary: the units' counters as a table (``bucket_group.summary``'s), then the
+    encodes per unit (one per optimizer step) and the cache measured."""
+    encodes = ", ".join(f"{_short(name)} {gather.fresh_gathers}" for g in _gathers(model)
+                        for name, gather in g.gathers.items() if gather.stats.gathers)
+    return shared.summary(bucket_stats(model), encodes_title="CIERA ZeRO-3 encodes per unit", encodes=encodes,
+                          measured_cache=cache_bytes(model))
+
+
+def cache_bytes(model) -> int:
+    """Bytes this rank keeps between gathers, measured (known after the first forward)."""
+    return shared.cache_bytes(model, _ATTR)
+
+
 class Fsdp2Binding(shared.ShardedBinding):
-    """:class:`~megatron.ciera.binding.protocol.Binding` of megatron-core's FSDP2 wrapper: CIERA on
-    every unit, the shards encoded once per optimizer step."""
+    """:class:`~megatron.ciera.binding.protocol.Binding` of megatron-core's FSDP2 wrapper: this
+    module's functions (``raise_pending_errors``, ``invalidate_param_caches``, ``cache_bytes``: the
+    shared base's)."""
 
     noun = "FSDP2 unit"
     attr = _ATTR
@@ -112,60 +190,26 @@ class Fsdp2Binding(shared.ShardedBinding):
         self.reshard_after_forward = reshard_after_forward
 
     def wrap(self, chunks: list, *, config, ddp_config=None) -> list:
-        """Each model chunk in megatron-core's ``TorchFullyShardedDataParallel`` with upstream's
-        config (``reshard_after_forward``, every other field its default, as Megatron-LM's
-        ``get_model``; ``ddp_config`` is not read), parameters broadcast."""
-        from megatron.core.distributed.torch_fully_sharded_data_parallel_config import (
-            TorchFullyShardedDataParallelConfig)
-
-        fsdp_config = TorchFullyShardedDataParallelConfig(reshard_after_forward=self.reshard_after_forward)
-        model = [_wrapper_class()(config=config, ddp_config=fsdp_config, module=chunk) for chunk in chunks]
+        """See :func:`wrap` (``ddp_config`` is not read: upstream builds FSDP2's config from
+        ``reshard_after_forward`` alone); the parameters are then broadcast."""
+        model = wrap(chunks, config=config, reshard_after_forward=self.reshard_after_forward)
         for chunk in model:
             chunk.broadcast_params()
         return model
 
     def install(self, model: list, *, config, optimizer_config=None, optimizer=None,
                 log: Callable[[str], None] | None = None) -> int:
-        """CIERA's gather on every FSDP2 unit of every wrapped chunk (before the first forward), the
-        shards encoded once per optimizer step (:meth:`after_optimizer_step`). Returns the number of
-        units with parameters (those that gather). ``optimizer_config`` and ``optimizer`` are
-        unused."""
-        import ciera.fsdp2
-
-        budget = shared.measure_budget(model, config)
-        n = 0
-        for chunk in model:
-            if getattr(chunk, _ATTR, None) is not None:
-                raise RuntimeError("CIERA already installed on this FSDP2 model")
-            gathers = ciera.fsdp2.enable(chunk.module, config=config, group=chunk.process_group, budget=budget,
-                                         stepped=True)
-            setattr(chunk, _ATTR, gathers)
-            n += sum(1 for _, unit in _units(chunk) if _unit_shard(unit, chunk.device_mesh.size())[0])
-        units, sharded = planned_units(model)
-        shared.log_planned_cache(log, config=config, units=units, sharded=sharded, budget=budget)
-        return n
+        """See :func:`install`."""
+        return install(model, config, optimizer_config=optimizer_config, log=log, optimizer=optimizer)
 
     def after_optimizer_step(self, model: list, *, overlap_param_gather: bool = False) -> None:
-        """The step wrote every unit's shard (Megatron's optimizer has copied its main parameters
-        into the model's; a step it skipped leaves them as they were, encoded again unchanged):
-        every unit is encoded now, one agreement for all of them."""
-        for g in _gathers(model):
-            g.step()
+        """See :func:`after_optimizer_step`."""
+        after_optimizer_step(model, overlap_param_gather=overlap_param_gather)
 
     def bucket_stats(self, model: list) -> list[tuple[str, object]]:
-        """``(unit name, stats)`` for every unit that gathered, in module order (a unit without
-        parameters never gathers)."""
-        out = []
-        for i, g in enumerate(_gathers(model)):
-            for name, gather in g.gathers.items():
-                if gather.stats.gathers:
-                    out.append((("" if i == 0 else f"chunk{i}.") + _short(name), gather.stats))
-        return out
+        """See :func:`bucket_stats`."""
+        return bucket_stats(model)
 
     def summary(self, model: list) -> str:
-        """The closing summary: the units' counters as a table, then the encodes per unit (one per
-        optimizer step) and the cache measured."""
-        encodes = ", ".join(f"{_short(name)} {gather.fresh_gathers}" for g in _gathers(model)
-                            for name, gather in g.gathers.items() if gather.stats.gathers)
-        return shared.summary(self.bucket_stats(model), encodes_title="CIERA ZeRO-3 encodes per unit",
-                              encodes=encodes, measured_cache=self.cache_bytes(model))
+        """See :func:`summary`."""
+        return summary(model)

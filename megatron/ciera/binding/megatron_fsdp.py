@@ -7,7 +7,7 @@ Each model chunk is wrapped in megatron-core's ``FullyShardedDataParallel`` (the
 optimizer step; ``optim_grads_params`` (ZeRO-3) keeps only the shard, every transformer layer's
 bucket gathered in its forward and again in its backward.
 
-With ``--ciera-allgather`` :meth:`MegatronFsdpBinding.install` makes every bucket's gather CIERA's (through
+With ``--ciera-allgather`` :func:`install` makes every bucket's gather CIERA's (through
 :mod:`megatron.ciera.binding.upstream_patch.megatron_fsdp`, the one dispatch point): a bucket whose model-weight
 buffer persists (``optim``, ``optim_grads``; the root unit's bucket too) is a
 :class:`ciera.CieraAllGather` over that buffer, gathered (and encoded) once per optimizer step; a
@@ -18,8 +18,9 @@ them all (:class:`ciera.zero3.Zero3Units`); the step's gathers, forward and back
 with no host read and no other collective, the later ones replaying against the receiver cache
 (``--ciera-cache``).
 
-:class:`MegatronFsdpBinding` is the training loop's binding of this engine
-(:class:`megatron.ciera.binding.protocol.Binding`).
+The functions after :func:`wrap` are this engine's CIERA binding, with the names and arguments of
+:mod:`megatron.ciera.binding.bucket_group`'s; :class:`MegatronFsdpBinding` offers them to a training
+loop as a :class:`megatron.ciera.binding.protocol.Binding`.
 """
 
 from __future__ import annotations
@@ -30,9 +31,48 @@ import torch
 
 from . import sharded_binding as shared
 
-__all__ = ["MegatronFsdpBinding", "planned_units"]
+__all__ = ["MegatronFsdpBinding", "wrap", "sync_params", "full_tensor", "install", "after_optimizer_step", "invalidate_param_caches",
+           "bucket_stats", "summary", "cache_bytes", "planned_units"]
 
 _ATTR = "_ciera_megatron_fsdp_gathers"  # the _Gathers of a wrapped chunk
+
+
+def wrap(chunks: list, *, config, ddp_config, cpu: bool = False) -> list:
+    """Each model chunk in megatron-core's ``FullyShardedDataParallel`` with the flags' DDP config
+    (``ddp_config``, its ``use_megatron_fsdp`` set, as Megatron-LM's ``validate_args`` does for the
+    deprecated ``use_custom_fsdp``); with ``cpu`` the buffers live on the CPU."""
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    ddp_config.use_megatron_fsdp = ddp_config.use_custom_fsdp = True
+    device = torch.device("cpu") if cpu else None
+    return [FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=chunk, device=device,
+                                     disable_bucketing=i > 0)
+            for i, chunk in enumerate(chunks)]
+
+
+def sync_params(model: list) -> None:
+    """Finish every gather Megatron-FSDP started ahead (it prefetches the next forward's buckets
+    after the optimizer step and waits for them only when it uses them) and make the chunks'
+    parameters its sharded DTensors again (what it checkpoints; :func:`full_tensor` reads them)."""
+    for chunk in model:
+        fsdp = chunk.module
+        fsdp.synchronize_param_gather()
+        for name, param in fsdp.module.named_parameters():  # what upstream's raw parameters say of themselves
+            raw = fsdp.raw_param.get(name)
+            if raw is not None and param is not raw and hasattr(raw, "allreduce"):
+                param.allreduce = raw.allreduce  # False: an expert parameter (expert-data-parallel replicas)
+
+
+def full_tensor(param: torch.Tensor) -> torch.Tensor:
+    """The whole value of a parameter Megatron-FSDP holds as a (possibly unevenly) sharded DTensor
+    (a collective over its mesh); any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if not (isinstance(param, DTensor) and getattr(param, "__fsdp_param__", False)):
+        return param
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import gather_uneven_dtensor_to_full_tensor
+
+    return gather_uneven_dtensor_to_full_tensor(param).to_local()
 
 
 _GATHER_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -133,6 +173,33 @@ def planned_units(model) -> tuple[list[tuple[int, int, torch.dtype]], int]:
     return units, sharded
 
 
+def install(model: list, config, optimizer_config=None, log: Callable[[str], None] | None = None,
+            optimizer=None) -> int:
+    """CIERA's gather on every bucket of every wrapped chunk (before the first forward). Returns the
+    number of buckets. ``optimizer_config`` and ``optimizer`` are unused (the shards' writes are
+    learned from the model's own buffer)."""
+    from .upstream_patch import megatron_fsdp as patch
+
+    budget = shared.measure_budget(model, config)
+    n = 0
+    for i, chunk in enumerate(model):
+        fsdp = _fsdp(chunk)
+        if getattr(chunk, _ATTR, None) is not None:
+            raise RuntimeError("CIERA already installed on this Megatron-FSDP model")
+        gathers = _Gathers(config=config, prefix="" if len(model) == 1 else f"chunk{i}.", budget=budget)
+        patch.attach(fsdp.all_gather_pipeline, gathers)
+        patch.on_shard_written(fsdp.param_and_grad_buffer, gathers.step)
+        setattr(chunk, _ATTR, gathers)
+        n += fsdp.all_gather_pipeline.num_buckets
+    units, sharded = planned_units(model)
+    shared.log_planned_cache(log, config=config, units=units, sharded=sharded, budget=budget)
+    plain = _plain_buckets(model)
+    if plain and log is not None:
+        log(f"CIERA: {plain} Megatron-FSDP bucket(s) hold parameters that are not bf16/fp16/fp32 (fp8 under "
+            "--fp8-param-gather): they keep Megatron-FSDP's own all-gather, the others gather through CIERA")
+    return n
+
+
 def _plain_buckets(model) -> int:
     """Buckets whose gathered storage CIERA does not compress (fp8 parameters, stored as uint8)."""
     return sum(1 for chunk in model for group in _fsdp(chunk).param_and_grad_buffer.parameter_groups
@@ -143,9 +210,46 @@ def _gathers(model) -> list:
     return shared.gathers_of(model, _ATTR)
 
 
+def after_optimizer_step(model, *, overlap_param_gather: bool = False) -> None:
+    """Nothing: the step's write of the shards marked them changed, and the step gathered."""
+
+
+def raise_pending_errors(model) -> None:
+    """Before a checkpoint: raise a corrupt payload that a device decode found and has not reported."""
+    shared.raise_pending_errors(model, _ATTR)
+
+
+def invalidate_param_caches(model) -> None:
+    """After a checkpoint load: every bucket's next gather is raw and refills the caches."""
+    shared.invalidate(model, _ATTR)
+
+
+def bucket_stats(model) -> list[tuple[str, object]]:
+    """``(bucket name, stats)`` of every bucket that gathered, in bucket order."""
+    return [(f"{g.prefix}bucket{i}", g.gathers[i].stats) for g in _gathers(model) for i in sorted(g.gathers)]
+
+
+def summary(model) -> str:
+    """The closing summary: the buckets' counters as a table, the encodes per bucket (one per
+    optimizer step) and the ZeRO-3 cache measured."""
+    encodes = ", ".join(f"{g.prefix}bucket{i} {g.fresh(i)}" for g in _gathers(model) for i in sorted(g.gathers))
+    units = [u for g in _gathers(model) for u in g.units.units]
+    preparing = (f"\nCIERA ZeRO-3 agreements: {sum(g.units.agreements for g in _gathers(model))} after optimizer "
+                 f"steps (one per process group and step), {sum(u.gather_prepares for u in units)} in gathers "
+                 f"(a bucket's first, or the first after a load)") if units else ""
+    return shared.summary(bucket_stats(model), encodes_title="CIERA Megatron-FSDP encodes per bucket",
+                          encodes=encodes, measured_cache=cache_bytes(model)) + preparing
+
+
+def cache_bytes(model) -> int:
+    """Bytes this rank keeps between ZeRO-3 gathers, measured (known after the first gathers)."""
+    return shared.cache_bytes(model, _ATTR)
+
+
 class MegatronFsdpBinding(shared.ShardedBinding):
-    """:class:`~megatron.ciera.binding.protocol.Binding` of megatron-core's Megatron-FSDP: CIERA on
-    every bucket (``cpu``: the buffers live on the CPU)."""
+    """:class:`~megatron.ciera.binding.protocol.Binding` of megatron-core's Megatron-FSDP: this
+    module's functions (``raise_pending_errors``, ``invalidate_param_caches``, ``cache_bytes``: the
+    shared base's)."""
 
     noun = "Megatron-FSDP bucket"
     attr = _ATTR
@@ -154,81 +258,32 @@ class MegatronFsdpBinding(shared.ShardedBinding):
         self.cpu = cpu
 
     def wrap(self, chunks: list, *, config, ddp_config) -> list:
-        """Each model chunk in megatron-core's ``FullyShardedDataParallel`` with the flags' DDP config
-        (``ddp_config``, its ``use_megatron_fsdp`` set, as Megatron-LM's ``validate_args`` does for the
-        deprecated ``use_custom_fsdp``); on CPU the buffers live on the CPU. Megatron-FSDP shards
-        the parameters itself: nothing is broadcast (equal seeds made them equal)."""
-        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
-
-        ddp_config.use_megatron_fsdp = ddp_config.use_custom_fsdp = True
-        device = torch.device("cpu") if self.cpu else None
-        return [FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=chunk, device=device,
-                                         disable_bucketing=i > 0)
-                for i, chunk in enumerate(chunks)]
-
-    def sync_params(self, model: list, *, overlap_param_gather: bool = False) -> None:
-        """Finish every gather Megatron-FSDP started ahead (it prefetches the next forward's buckets
-        after the optimizer step and waits for them only when it uses them) and make the chunks'
-        parameters its sharded DTensors again (what it checkpoints; :meth:`full_tensor` reads them)."""
-        for chunk in model:
-            fsdp = chunk.module
-            fsdp.synchronize_param_gather()
-            for name, param in fsdp.module.named_parameters():  # what upstream's raw parameters say of themselves
-                raw = fsdp.raw_param.get(name)
-                if raw is not None and param is not raw and hasattr(raw, "allreduce"):
-                    param.allreduce = raw.allreduce  # False: an expert parameter (expert-data-parallel replicas)
-
-    def full_tensor(self, param: torch.Tensor) -> torch.Tensor:
-        """The whole value of a parameter Megatron-FSDP holds as a (possibly unevenly) sharded DTensor
-        (a collective over its mesh); any other tensor as the protocol's default reads it."""
-        from torch.distributed.tensor import DTensor
-
-        if not (isinstance(param, DTensor) and getattr(param, "__fsdp_param__", False)):
-            return super().full_tensor(param)
-        from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import gather_uneven_dtensor_to_full_tensor
-
-        return gather_uneven_dtensor_to_full_tensor(param).to_local()
+        """See :func:`wrap`. Megatron-FSDP shards the parameters itself: nothing is broadcast
+        (equal seeds made them equal)."""
+        return wrap(chunks, config=config, ddp_config=ddp_config, cpu=self.cpu)
 
     def install(self, model: list, *, config, optimizer_config=None, optimizer=None,
                 log: Callable[[str], None] | None = None) -> int:
-        """CIERA's gather on every bucket of every wrapped chunk (before the first forward). Returns the
-        number of buckets. ``optimizer_config`` and ``optimizer`` are unused (the shards' writes are
-        learned from the model's own buffer)."""
-        from .upstream_patch import megatron_fsdp as patch
-
-        budget = shared.measure_budget(model, config)
-        n = 0
-        for i, chunk in enumerate(model):
-            fsdp = _fsdp(chunk)
-            if getattr(chunk, _ATTR, None) is not None:
-                raise RuntimeError("CIERA already installed on this Megatron-FSDP model")
-            gathers = _Gathers(config=config, prefix="" if len(model) == 1 else f"chunk{i}.", budget=budget)
-            patch.attach(fsdp.all_gather_pipeline, gathers)
-            patch.on_shard_written(fsdp.param_and_grad_buffer, gathers.step)
-            setattr(chunk, _ATTR, gathers)
-            n += fsdp.all_gather_pipeline.num_buckets
-        units, sharded = planned_units(model)
-        shared.log_planned_cache(log, config=config, units=units, sharded=sharded, budget=budget)
-        plain = _plain_buckets(model)
-        if plain and log is not None:
-            log(f"CIERA: {plain} Megatron-FSDP bucket(s) hold parameters that are not bf16/fp16/fp32 (fp8 under "
-                "--fp8-param-gather): they keep Megatron-FSDP's own all-gather, the others gather through CIERA")
-        return n
+        """See :func:`install`."""
+        return install(model, config, optimizer_config=optimizer_config, log=log, optimizer=optimizer)
 
     def after_optimizer_step(self, model: list, *, overlap_param_gather: bool = False) -> None:
-        """Nothing: the step's write of the shards marked them changed, and the step gathered."""
+        """See :func:`after_optimizer_step`."""
+        after_optimizer_step(model, overlap_param_gather=overlap_param_gather)
+
+    def sync_params(self, model: list, *, overlap_param_gather: bool = False) -> None:
+        """See :func:`sync_params` (Megatron-FSDP's own prefetched gathers, whatever
+        ``overlap_param_gather`` says)."""
+        sync_params(model)
 
     def bucket_stats(self, model: list) -> list[tuple[str, object]]:
-        """``(bucket name, stats)`` of every bucket that gathered, in bucket order."""
-        return [(f"{g.prefix}bucket{i}", g.gathers[i].stats) for g in _gathers(model) for i in sorted(g.gathers)]
+        """See :func:`bucket_stats`."""
+        return bucket_stats(model)
 
     def summary(self, model: list) -> str:
-        """The closing summary: the buckets' counters as a table, the encodes per bucket (one per
-        optimizer step) and the ZeRO-3 cache measured."""
-        encodes = ", ".join(f"{g.prefix}bucket{i} {g.fresh(i)}" for g in _gathers(model) for i in sorted(g.gathers))
-        units = [u for g in _gathers(model) for u in g.units.units]
-        preparing = (f"\nCIERA ZeRO-3 agreements: {sum(g.units.agreements for g in _gathers(model))} after optimizer "
-                     f"steps (one per process group and step), {sum(u.gather_prepares for u in units)} in gathers "
-                     f"(a bucket's first, or the first after a load)") if units else ""
-        return shared.summary(self.bucket_stats(model), encodes_title="CIERA Megatron-FSDP encodes per bucket",
-                              encodes=encodes, measured_cache=self.cache_bytes(model)) + preparing
+        """See :func:`summary`."""
+        return summary(model)
+
+    def full_tensor(self, param: torch.Tensor) -> torch.Tensor:
+        """See :func:`full_tensor`; a DTensor it does not hold as the protocol's default reads it."""
+        return super().full_tensor(full_tensor(param))
