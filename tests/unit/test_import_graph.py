@@ -113,6 +113,13 @@ def test_no_import_cycle_counting_function_local_imports():
     assert cycle is None, "import cycle (function-local imports counted): " + " -> ".join(cycle)
 
 
+def test_the_loop_names_no_engine():
+    """The training loop calls the run's ``Binding`` (``binding_for``), never an engine's module."""
+    engines = {f"megatron.ciera.binding.{m}" for m in ("bucket_group", "fsdp2", "megatron_fsdp", "sharded_binding")}
+    imported = _imports("megatron.ciera.app.training", _modules()["megatron.ciera.app.training"], load_time_only=False)
+    assert not imported & engines, sorted(imported & engines)
+
+
 def test_floors_hold_at_every_import():
     for module, path in _modules().items():
         imported = _imports(module, path, load_time_only=False)
@@ -131,10 +138,3 @@ def test_floors_hold_at_every_import():
 def test_the_cycle_finder_bites():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
-
-
-def test_the_loop_names_no_engine():
-    """The training loop calls the run's ``Binding`` (``binding_for``), never an engine's module."""
-    engines = {f"megatron.ciera.binding.{m}" for m in ("bucket_group", "fsdp2", "megatron_fsdp", "sharded_binding")}
-    imported = _imports("megatron.ciera.app.training", _modules()["megatron.ciera.app.training"], load_time_only=False)
-    assert not imported & engines, sorted(imported & engines)
