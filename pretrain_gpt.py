@@ -2,8 +2,8 @@
 
     torchrun --nproc-per-node 8 pretrain_gpt.py <Megatron-LM flags> --ciera-allgather
 
-Flags: ``python pretrain_gpt.py --help`` (see megatron/ciera/arguments.py). The loop lives in
-megatron/ciera/training.py.
+Flags: ``python pretrain_gpt.py --help`` (see megatron/ciera/app/arguments.py). The loop lives in
+megatron/ciera/app/training.py.
 """
 
 import sys
@@ -12,14 +12,14 @@ import sys
 def main(argv: list[str]) -> None:
     if "-h" in argv or "--help" in argv:
         # The parser alone: --help answers without importing megatron-core's training stack.
-        from megatron.ciera.arguments import build_parser
+        from megatron.ciera.app.arguments import build_parser
 
         build_parser().print_help()
         return
-    from megatron.ciera.upstream_notices import silence_fallback_warnings
+    from megatron.ciera.app.upstream_notices import silence_fallback_warnings
 
     silence_fallback_warnings()  # before megatron-core is imported; training says it once instead
-    from megatron.ciera.training import main as train_main
+    from megatron.ciera.app.training import main as train_main
 
     train_main(argv)
 

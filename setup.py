@@ -64,7 +64,7 @@ setup(
     py_modules=["pretrain_gpt"],
     ext_modules=[NATIVE],
     cmdclass={"build_ext": BuildNative},
-    package_data={"megatron.ciera": ["upstream_flags*.json"]},  # the upstream flag tables the parser reads
+    package_data={"megatron.ciera.app": ["upstream_flags*.json"]},  # the upstream flag tables the parser reads
     install_requires=[
         "torch>=2.4",
         # The tested releases (0.16.1 and 0.19.2); the binding's version gates refuse others by name.

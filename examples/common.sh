@@ -76,12 +76,12 @@ ciera_python() {
 
 # The --vocab-size that puts the installed megatron-core's NullTokenizer EOD at id $1: NullTokenizer
 # put it at --vocab-size up to megatron-core 0.17 and at --vocab-size - 1 from 0.18 on. Asked of
-# megatron.ciera.upstream_features with the Python that trains (a few seconds: it imports megatron-core).
+# megatron.ciera.app.upstream_features with the Python that trains (a few seconds: it imports megatron-core).
 ciera_null_vocab_size() {
     local eod=$1 py out
     py=$(ciera_python)
     if out=$(PYTHONPATH="$CIERA_ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore "$py" -c \
-        'import sys; from megatron.ciera.upstream_features import null_tokenizer_vocab_size as v; print(v(int(sys.argv[1])))' \
+        'import sys; from megatron.ciera.app.upstream_features import null_tokenizer_vocab_size as v; print(v(int(sys.argv[1])))' \
         "$eod" 2>&1) && [[ "${out##*$'\n'}" =~ ^[0-9]+$ ]]; then
         printf '%s\n' "${out##*$'\n'}"
     else

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron.ciera.launch import TABLE_TOTAL, run_pretrain  # noqa: E402
+from megatron.ciera.app.launch import TABLE_TOTAL, run_pretrain  # noqa: E402
 
 MODEL = [
     "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",

@@ -21,7 +21,7 @@ import re
 import statistics
 from pathlib import Path
 
-from megatron.ciera.launch import TABLE_TOTAL, run_pretrain
+from megatron.ciera.app.launch import TABLE_TOTAL, run_pretrain
 from tools._common import write_table
 
 MODES = {

@@ -1,5 +1,5 @@
 """Write the facts of Megatron-LM's command line (every flag's name, dest, type, default, nargs,
-choices) to ``megatron/ciera/upstream_flags.json``, the table ``megatron.ciera.arguments`` builds
+choices) to ``megatron/ciera/app/upstream_flags.json``, the table ``megatron.ciera.app.arguments`` builds
 its parser from.
 
 Run once per upstream release against a checkout of NVIDIA/Megatron-LM at the tag that matches the
@@ -7,7 +7,7 @@ installed megatron-core (the table in the repo: tag ``core_v0.16.1``):
 
     git -C Megatron-LM archive core_v0.16.1 megatron | tar -x -C /tmp/up016
     python tools/dump_upstream_flags.py /tmp/up016 core_v0.16.1
-    python3.12 tools/dump_upstream_flags.py /tmp/up019 core_v0.19.0 megatron/ciera/upstream_flags_core_v0.19.0.json
+    python3.12 tools/dump_upstream_flags.py /tmp/up019 core_v0.19.0 megatron/ciera/app/upstream_flags_core_v0.19.0.json
 
 (0.17+ needs Python 3.12 and that megatron-core installed: ``make setup312``'s ``.venv312``. From
 0.17 on the wheel ships ``megatron/training`` itself, so its site-packages directory also serves as
@@ -15,7 +15,7 @@ the checkout; ``tests/megatron/test_mc_flag_table.py`` dumps it that way and com
 
 Only upstream's parser is executed (``add_megatron_arguments`` on a fresh ArgumentParser); no code
 of it is copied. Types are recorded by name (int/float/str/bool) or ``"custom"`` for upstream's
-own converters, which :mod:`megatron.ciera.arguments` provides itself.
+own converters, which :mod:`megatron.ciera.app.arguments` provides itself.
 """
 
 import argparse
@@ -98,7 +98,7 @@ def main(checkout: str, tag: str, out: str | None = None) -> None:
             "nargs": action.nargs,
             "choices": _plain(list(action.choices)) if action.choices is not None else None,
         })
-    out = Path(out) if out else ROOT / "megatron" / "ciera" / "upstream_flags.json"
+    out = Path(out) if out else ROOT / "megatron" / "ciera" / "app" / "upstream_flags.json"
     out.write_text(json.dumps({"source": f"NVIDIA/Megatron-LM {tag} megatron/training/arguments.py "
                                          "(add_megatron_arguments)", "flags": flags}, indent=0) + "\n")
     print(f"{len(flags)} flags -> {out}")

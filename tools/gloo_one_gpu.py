@@ -154,7 +154,7 @@ PRETRAIN_ENGINES = {"zero1": ["--use-distributed-optimizer"],
 
 def pretrain_rows(*, device: str, world: int, iters: int) -> tuple[list[str], bool]:
     """The pretrain part: one table row per engine, and whether every pair matched."""
-    from megatron.ciera.launch import run_pretrain
+    from megatron.ciera.app.launch import run_pretrain
 
     rows, ok_all = [], True
     for engine, flags in PRETRAIN_ENGINES.items():

@@ -66,7 +66,7 @@ BYTE_EOD = BYTE_VOCAB_SIZE
 def byte_train_vocab_size() -> int:
     """The ``--vocab-size`` that puts the installed megatron-core's NullTokenizer EOD at
     :data:`BYTE_EOD` (260 up to megatron-core 0.17, 261 from 0.18 on)."""
-    from megatron.ciera.upstream_features import null_tokenizer_vocab_size
+    from megatron.ciera.app.upstream_features import null_tokenizer_vocab_size
 
     return null_tokenizer_vocab_size(BYTE_EOD)
 

@@ -1,14 +1,12 @@
-"""Megatron-Core binding of CIERA (``megatron.ciera``).
+"""CIERA for Megatron-Core (``megatron.ciera``), in two layers; imports go one way only,
+``app`` -> ``binding`` -> the ``ciera`` library (``docs/architecture.md``).
 
 ``megatron`` is megatron-core's namespace package: this subpackage sits beside ``megatron.core``
 and there must never be a ``megatron/__init__.py``.
 
-- :mod:`megatron.ciera.bucket_group`: the one dispatch point replacing the parameter all-gather
-- :mod:`megatron.ciera.upstream_patch`: every patch of megatron-core's objects, gated by version
-- :mod:`megatron.ciera.arguments`: Megatron-LM's whole command line (``upstream_flags.json``) plus ``--ciera-*``
-- :mod:`megatron.ciera.flag_policy`: the one table of what each upstream flag does here
-- :mod:`megatron.ciera.model`: configs derived from megatron-core's dataclasses, layer specs, model chunks
-- :mod:`megatron.ciera.parallel`: process group, TP/PP/CP/EP layout, start-up agreement of all ranks
-- :mod:`megatron.ciera.training`: the pretraining loop behind ``pretrain_gpt.py``
-- :mod:`megatron.ciera.cpu_compat`: the only place that lets Megatron-Core run without CUDA
+- :mod:`megatron.ciera.binding`: what a Megatron-Core training loop imports to gather its
+  parameters with CIERA (the distributed optimizer's bucket groups, FSDP2, Megatron-FSDP), the
+  gated patches of megatron-core's objects and the CPU shims
+- :mod:`megatron.ciera.app`: the training application behind ``pretrain_gpt.py`` (Megatron-LM's
+  command line, the loop, checkpoints, data, logs, the error path)
 """

@@ -5,7 +5,7 @@ mode; the binding gathers only what some optimizer wrote since the last gather."
 
 import pytest
 
-from megatron.ciera.launch import run_pretrain
+from megatron.ciera.app.launch import run_pretrain
 
 pytestmark = pytest.mark.distributed
 

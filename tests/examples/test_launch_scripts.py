@@ -77,7 +77,7 @@ def train_script(model: str) -> Path:
 
 
 def _parse(argv: list[str], world: int, monkeypatch):
-    from megatron.ciera import arguments
+    from megatron.ciera.app import arguments
 
     monkeypatch.setenv("WORLD_SIZE", str(world))
     try:
@@ -201,7 +201,7 @@ def test_mock_vocab_pads_to_the_model_rows_on_this_release(model):
     adds for its EOD (minicpm's 122753 = 959 x 128 + 1 is the case where N - 1 would fall short)."""
     from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 
-    from megatron.ciera.data import padded_vocab_size
+    from megatron.ciera.app.data import padded_vocab_size
 
     script = train_script(model)
     published = int(next(line.split("=")[1] for line in script.read_text().splitlines()

@@ -84,7 +84,7 @@ def memory_gib(count: Count, *, world: int, ep: int) -> float:
 
 _COUNT_IN_MEGATRON = r"""
 import json, sys
-from megatron.ciera import arguments, data, model as model_lib, parallel
+from megatron.ciera.app import arguments, data, model as model_lib, parallel
 args = arguments.parse_args(json.loads(sys.argv[1]))
 parallel.initialize(args)
 vocab = data.padded_vocab_size(data.build_tokenizer(args).vocab_size, args.make_vocab_size_divisible_by)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy
 import pytest
 
-from megatron.ciera.upstream_features import null_tokenizer_vocab_size
+from megatron.ciera.app.upstream_features import null_tokenizer_vocab_size
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "preprocess_data.py"

@@ -34,7 +34,7 @@ PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 ACTIVATE = "source .venv/bin/activate"
 GPU_LAUNCH = re.compile(r"torchrun --nproc-per-node (\d+) pretrain_gpt\.py")
 VALIDATE_FOR_GPU_NODE = (
-    "python -c 'import sys; from megatron.ciera.arguments import parse_args; "
+    "python -c 'import sys; from megatron.ciera.app.arguments import parse_args; "
     "parse_args(sys.argv[2:], world_size=int(sys.argv[1]), device=\"cuda\", te_available=False); "
     "print(\"valid for a GPU node\")' \\1")
 DEMO_MAX_LINES = 40
@@ -164,7 +164,7 @@ def test_relative_links_and_anchors_resolve():
 
 def test_flag_defaults_in_the_docs_are_the_help_ones():
     """docs/flags.md's defaults (`default `X``) are those --help prints, which quote CieraConfig."""
-    from megatron.ciera import arguments
+    from megatron.ciera.app import arguments
 
     helps = {o: a.help for a in arguments.build_parser()._actions for o in a.option_strings}
     rows = [line for line in (ROOT / "docs" / "flags.md").read_text().splitlines() if line.startswith("| `--ciera-")]

@@ -9,7 +9,7 @@ import sys
 
 if __name__ == "__main__":
     extra = dict(item.split(":", 1) for item in os.environ.get("PER_RANK_FLAGS", "").split(";") if item)
-    from megatron.ciera.training import main
+    from megatron.ciera.app.training import main
 
     print(f"per_rank_pretrain: rank {os.environ['RANK']} pid {os.getpid()}", flush=True)
 

@@ -1,4 +1,4 @@
-"""Two gloo ranks; rank 1 never enters rank 0's all_reduce (tests of megatron.ciera.failfast).
+"""Two gloo ranks; rank 1 never enters rank 0's all_reduce (tests of megatron.ciera.app.failfast).
 
     STALL_MODE=backend  the process group's own timeout (2 s) fires first: the error path reports
     STALL_MODE=watchdog the group's timeout is long (60 s); the watchdog (2 s) ends rank 0
@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron.ciera import failfast, watchdog as watchdog_lib
+from megatron.ciera.app import failfast, watchdog as watchdog_lib
 
 if __name__ == "__main__":
     backend = os.environ["STALL_MODE"] == "backend"

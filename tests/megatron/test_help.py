@@ -4,7 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron.ciera import arguments
+from megatron.ciera.app import arguments
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""megatron.ciera.launch: a launch that does not end in time is killed whole (its children too)
+"""megatron.ciera.app.launch: a launch that does not end in time is killed whole (its children too)
 and the error names what was awaited, the last output and where each process waited."""
 
 import os
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from megatron.ciera import launch
+from megatron.ciera.app import launch
 
 
 def test_a_hung_launch_is_named_and_killed_whole():

@@ -3,7 +3,7 @@ one line by default; ``--ciera-log-buckets`` prints each decision as it is made.
 
 import logging
 
-from megatron.ciera.logging_utils import SelectionLog
+from megatron.ciera.app.logging_utils import SelectionLog
 
 REASON_RAW = "raw 1086.0 us; compressing is not faster: delta 1241.3 us (484736 B/rank, world 2)"
 

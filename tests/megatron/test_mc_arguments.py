@@ -1,14 +1,14 @@
-"""megatron.ciera.arguments: Megatron-LM's flag table, the flag policy, clear errors with the
+"""megatron.ciera.app.arguments: Megatron-LM's flag table, the flag policy, clear errors with the
 arithmetic, --ciera-* -> CieraConfig, the configs a GPU node would build."""
 
 import pytest
 import torch
 
 from flag_args import TINY_FLAGS, parse_and_validate
-from megatron.ciera import arguments
+from megatron.ciera.app import arguments, flag_table
 
 BASE = [*TINY_FLAGS, "--use-distributed-optimizer"]
-_HAS_STEP_SCHEDULE = any(flag["dest"] == "step_batch_size_schedule" for flag in arguments.upstream_flags())
+_HAS_STEP_SCHEDULE = any(flag["dest"] == "step_batch_size_schedule" for flag in flag_table.upstream_flags())
 """megatron-core 0.19's flag table: its batch ramp is --step-batch-size-schedule, --rampup-batch-size refused."""
 
 
@@ -33,7 +33,7 @@ def test_defaults_and_derived_values():
 def test_bf16_reduces_gradients_in_fp32_as_upstream():
     """Megatron-LM forces fp32 gradient accumulation and reduction for bf16 (fp32 main grads)
     unless --grad-reduce-in-bf16; the DDP config carries it."""
-    from megatron.ciera import model
+    from megatron.ciera.app import model
 
     assert parse([]).accumulate_allreduce_grads_in_fp32
     assert model.ddp_config(parse([])).grad_reduce_in_fp32
@@ -47,7 +47,7 @@ def test_bf16_reduces_gradients_in_fp32_as_upstream():
 
 def test_ddp_flags_with_another_dest_reach_the_ddp_config():
     """Upstream maps --ddp-* flags onto DistributedDataParallelConfig fields of other names."""
-    from megatron.ciera import model
+    from megatron.ciera.app import model
 
     assert not model.ddp_config(parse([])).reduce_scatter_with_fp32_accumulation
     cfg = model.ddp_config(parse(["--ddp-reduce-scatter-with-fp32-accumulation", "--ddp-pad-buckets-for-high-nccl-busbw"]))
@@ -144,7 +144,7 @@ def test_scheduler_on_load_follows_upstreams_flags():
     --override-opt-param-scheduler the command line's."""
     from types import SimpleNamespace
 
-    from megatron.ciera import model
+    from megatron.ciera.app import model
 
     def scheduler(*extra):
         return model.scheduler(parse(["--global-batch-size", "8", *extra], world=2),
@@ -163,7 +163,7 @@ def test_scheduler_on_load_follows_upstreams_flags():
 
 
 def test_local_context_parallel_reports_or_refuses_another_cp_comm_type():
-    """Without TE, CP runs megatron.ciera.cp_attention (all-gather-KV): upstream's default
+    """Without TE, CP runs megatron.ciera.app.cp_attention (all-gather-KV): upstream's default
     --cp-comm-type p2p is a TE kernel choice, reported on CPU and refused on a GPU."""
     args = parse(["--context-parallel-size", "2", "--device", "cpu"], world=2)
     assert args.cpu_ignored == ["--cp-comm-type p2p (the local context-parallel attention all-gathers K/V)"]
@@ -177,7 +177,7 @@ def test_local_context_parallel_reports_or_refuses_another_cp_comm_type():
 
 
 def test_every_upstream_flag_is_recognised_with_upstream_defaults():
-    flags = arguments.upstream_flags()
+    flags = flag_table.upstream_flags()
     assert len(flags) > 600
     parser = arguments.build_parser()
     defaults = vars(parser.parse_args([]))
@@ -195,7 +195,7 @@ def test_every_upstream_flag_is_recognised_with_upstream_defaults():
 
 
 def test_policy_table_classifies_flags():
-    from megatron.ciera import flag_policy as fp
+    from megatron.ciera.app import flag_policy as fp
 
     assert fp.policy("hidden_size").kind == fp.HONOURED  # a TransformerConfig field: by construction
     assert fp.policy("overlap_param_gather").kind == fp.HONOURED  # DistributedDataParallelConfig
@@ -204,7 +204,7 @@ def test_policy_table_classifies_flags():
     assert fp.policy("save").kind == "feature:checkpoint" and fp.policy("eval_iters").kind == "feature:eval"
     assert fp.policy("num_workers").kind == "feature:data" and fp.policy("wandb_project").kind == "feature:logging"
     assert fp.policy("log_interval").kind == fp.HONOURED
-    assert fp.policy("rampup_batch_size").kind == fp.HONOURED  # megatron.ciera.batch_schedule
+    assert fp.policy("rampup_batch_size").kind == fp.HONOURED  # megatron.ciera.app.batch_schedule
     assert fp.policy("error_injection_rate") == fp.Policy(fp.REJECTED, fp.DEFAULT_REASON)
 
 
@@ -219,7 +219,7 @@ def test_cpu_reports_gpu_only_flags_and_runs_the_local_path():
     assert args.transformer_impl == "local" and args.distributed_backend == "gloo"
     assert {"--moe-grouped-gemm", "--no-masked-softmax-fusion", "--attention-backend",
             "--transformer-impl transformer_engine"} <= set(args.cpu_ignored)
-    from megatron.ciera import model
+    from megatron.ciera.app import model
 
     config = model.transformer_config(args)
     assert not config.moe_grouped_gemm and not config.bias_activation_fusion and not config.gradient_accumulation_fusion
@@ -228,7 +228,7 @@ def test_cpu_reports_gpu_only_flags_and_runs_the_local_path():
 def test_gpu_config_keeps_upstream_paths_and_fusions():
     from megatron.core.transformer.enums import AttnBackend
 
-    from megatron.ciera import model
+    from megatron.ciera.app import model
 
     args = parse(["--moe-grouped-gemm", "--num-experts", "4", "--moe-token-dispatcher-type", "alltoall",
                   "--attention-backend", "flash", "--tensor-model-parallel-size", "2", "--sequence-parallel",
@@ -268,7 +268,7 @@ def test_layouts_fill_derived_sizes():
 
 
 def test_rank_agreement_names_the_differing_flags():
-    from megatron.ciera.parallel import differing_flags
+    from megatron.ciera.app.parallel import differing_flags
 
     a, b = {"train_iters": "5", "ciera_allgather": "True"}, {"train_iters": "7", "ciera_allgather": "False"}
     diff = differing_flags(a, [a, b])

@@ -5,8 +5,8 @@ import re
 
 import pytest
 
-from megatron.ciera import arguments, flag_policy
-from megatron.ciera.batch_schedule import BatchSchedule
+from megatron.ciera.app import arguments, flag_policy
+from megatron.ciera.app.batch_schedule import BatchSchedule
 
 BASE = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
         "--max-position-embeddings", "32", "--lr", "1e-3", "--micro-batch-size", "2", "--mock-data",
@@ -34,7 +34,7 @@ def _error(extra):
 
 def _upstream_iterations(args):
     """Oracle: upstream's own loop over megatron-core's process-wide calculator (training.py's
-    update_train_iters and train_step), independent of megatron.ciera.batch_schedule."""
+    update_train_iters and train_step), independent of megatron.ciera.app.batch_schedule."""
     from megatron.core import num_microbatches_calculator as nmc
 
     kwargs = dict(rank=1, global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
@@ -87,7 +87,7 @@ def _batch_sizes(result):
 
 @pytest.mark.distributed
 def test_resume_mid_ramp_with_ciera_matches_the_straight_run(tmp_path):
-    from megatron.ciera.launch import run_pretrain
+    from megatron.ciera.app.launch import run_pretrain
 
     flags = BASE + RAMP
     straight = run_pretrain(flags, nproc=2, timeout=240)

@@ -1,4 +1,4 @@
-"""megatron.ciera.bucket_group without processes: the dispatch on Megatron-Core's real bucket group
+"""megatron.ciera.binding.bucket_group without processes: the dispatch on Megatron-Core's real bucket group
 class (as installed: 0.16.x or 0.19.x), a 0.19.x-shaped variant, fallbacks, invalidation and uninstall."""
 
 import inspect
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron.ciera import bucket_group as binding
-from megatron.ciera import upstream_patch as upstream
+from megatron.ciera.binding import bucket_group as binding
+from megatron.ciera.binding import upstream_patch as upstream
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucket, _ParamAndGradBucketGroup
 

@@ -12,7 +12,7 @@ from ciera import CieraAllGather, CieraConfig
 from ciera.codecs import as_bits
 from ciera.gather import Phase
 from ciera.testing.trajectory import AdamTrajectory
-from megatron.ciera import bucket_group as binding
+from megatron.ciera.binding import bucket_group as binding
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 from test_mc_bucket_group import _bucket, fake_ddp

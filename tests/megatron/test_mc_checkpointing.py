@@ -1,4 +1,4 @@
-"""megatron.ciera.checkpointing: torch_dist checkpoints that resume bit for bit and lose nothing.
+"""megatron.ciera.app.checkpointing: torch_dist checkpoints that resume bit for bit and lose nothing.
 
 In-process tests (a one-rank gloo group) cover the rules: refuse a fresh start over existing
 checkpoints, unwritable --save, checksums naming the damaged file, fallback to the previous good
@@ -20,8 +20,9 @@ import time
 import pytest
 import torch.distributed as dist
 
-from megatron.ciera import checkpoint_async, checkpoint_fixes, checkpoint_publish, checkpoint_state, checkpointing
-from megatron.ciera.launch import run_pretrain
+from megatron.ciera.app import checkpoint_async, checkpoint_publish, checkpoint_state, checkpointing
+from megatron.ciera.binding import checkpoint_fixes
+from megatron.ciera.app.launch import run_pretrain
 
 sys.path.insert(0, os.path.dirname(__file__))
 from flag_args import async_save_flags, parse_and_validate  # noqa: E402
@@ -132,7 +133,7 @@ def test_async_save_is_published_only_once_written(one_rank_group, tmp_path, per
 
     import torch
 
-    from megatron.ciera import cpu_compat
+    from megatron.ciera.binding import cpu_compat
 
     # megatron-core's async caller synchronises "the GPU": the CPU shims, as in pretrain_gpt.py
     with contextlib.nullcontext() if torch.cuda.is_available() else cpu_compat.enabled():
@@ -152,7 +153,7 @@ def test_async_save_without_psutil_is_refused_at_start_up(monkeypatch):
 
 def _async_args(persistent: bool, **kw) -> argparse.Namespace:
     """The --async-save flags of this megatron-core's table (0.19's has --async-strategy)."""
-    from megatron.ciera.arguments import upstream_flags
+    from megatron.ciera.app.flag_table import upstream_flags
 
     base = dict(async_save=True, use_persistent_ckpt_worker=persistent, **kw)
     if any(flag["dest"] == "async_strategy" for flag in upstream_flags()):
@@ -245,8 +246,8 @@ def test_checkpoint_flags_as_upstream():
     a positive multiple of --save-interval (with --save; inert without it); the async flags are
     inert without --async-save and, with it, nvrx and its CPU-shm mode are written by megatron-core's
     own writer (the same files)."""
-    from megatron.ciera import flag_policy
-    from megatron.ciera.arguments import upstream_flags
+    from megatron.ciera.app import flag_policy
+    from megatron.ciera.app.flag_table import upstream_flags
 
     table = {flag["dest"] for flag in upstream_flags()}
     for dest in ("use_persistent_ckpt_worker", "async_strategy", "async_ckpt_use_cpu_shm", "save_retain_interval",
@@ -291,7 +292,7 @@ def test_verify_integrity_is_megatron_cores_manifest(one_rank_group, tmp_path):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from megatron.ciera import cpu_compat
+    from megatron.ciera.binding import cpu_compat
 
     if "verify_integrity" not in inspect.signature(dist_checkpointing.save).parameters:
         pytest.skip("megatron-core 0.16 has no integrity manifest (--verify-integrity is 0.19's)")
@@ -488,7 +489,7 @@ def test_legacy_torch_format_resumes_bit_exact(tmp_path):
     distributed optimizer's distrib_optim.pt), published atomically with checksums like torch_dist;
     the resume, which reads the format from the checkpoint (--auto-detect-ckpt-format, its own
     --ckpt-format left at torch_dist), continues the uninterrupted run bit for bit (with CIERA)."""
-    from megatron.ciera import torch_checkpoint
+    from megatron.ciera.app import torch_checkpoint
 
     whole = run(*CIERA)  # shared with test_mc_training
     first, resumed = _stop_and_resume(tmp_path, *CIERA, save_flags=["--ckpt-format", "torch"],
@@ -506,7 +507,7 @@ def test_checkpoint_format_mismatch_is_named(one_rank_group, tmp_path):
     """A torch checkpoint loaded with --ckpt-format torch_dist (and the reverse) fails before
     anything is read, naming the flag to pass; a torch checkpoint at another layout names the
     flags that differ."""
-    from megatron.ciera import torch_checkpoint
+    from megatron.ciera.app import torch_checkpoint
 
     folder = checkpointing.iteration_dir(str(tmp_path), 5)
     os.makedirs(os.path.join(folder, "mp_rank_00"))
@@ -582,7 +583,7 @@ def test_world_tensors_are_put_back_in_the_buffer_layout():
 def test_checkpoint_workarounds_are_gated_on_the_upstream_sources_they_were_checked_against():
     """Every upstream method the workarounds replace or rely on is the one read in a checked
     megatron-core version; a changed one is named with what to re-check."""
-    from megatron.ciera import upstream_patch
+    from megatron.ciera.binding import upstream_patch
 
     methods, known = checkpoint_fixes.UPSTREAM_METHODS, checkpoint_fixes.KNOWN_SOURCES
     digests = dict(upstream_patch.installed_digests(methods))
@@ -730,7 +731,7 @@ def test_sigkill_mid_run_then_resume_is_bit_exact(tmp_path):
         argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29713",
                 "pretrain_gpt.py", *_flags(*flags, "--save", str(ckpt), "--save-interval", "4", iters=8),
                 "--ciera-loss-log", str(log)]
-        proc = subprocess.Popen(argv, cwd=os.path.dirname(checkpointing.__file__) + "/../..", start_new_session=True,
+        proc = subprocess.Popen(argv, cwd=os.path.dirname(checkpointing.__file__) + "/../../..", start_new_session=True,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 240
         while checkpointing.latest_iteration(str(ckpt)) != 4 and time.time() < deadline:

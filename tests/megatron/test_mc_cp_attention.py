@@ -1,4 +1,4 @@
-"""megatron.ciera.cp_attention: the context-parallel local attention equals upstream's attention
+"""megatron.ciera.app.cp_attention: the context-parallel local attention equals upstream's attention
 over the whole sequence.
 
 The layout functions for CP 1-4, then on 2 gloo ranks: megatron-core's own batch slicing gives
@@ -10,7 +10,7 @@ K/V), with GQA.
 import pytest
 import torch
 
-from megatron.ciera import cp_attention
+from megatron.ciera.app import cp_attention
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
@@ -36,7 +36,7 @@ def test_layout_functions_invert_the_load_balanced_chunks(cp):
 def _attention_on_rank(rank, world):
     import copy
 
-    from megatron.ciera import cpu_compat
+    from megatron.ciera.binding import cpu_compat
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType

@@ -1,9 +1,9 @@
-"""megatron.ciera.cpu_compat: inactive unless asked, active only inside, fully undone."""
+"""megatron.ciera.binding.cpu_compat: inactive unless asked, active only inside, fully undone."""
 
 import pytest
 import torch
 
-from megatron.ciera import cpu_compat
+from megatron.ciera.binding import cpu_compat
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the shims are for CUDA-less machines")
 

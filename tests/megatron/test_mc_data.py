@@ -1,4 +1,4 @@
-"""megatron.ciera.data: Megatron indexed datasets (.bin/.idx) and the resumable batch order."""
+"""megatron.ciera.app.data: Megatron indexed datasets (.bin/.idx) and the resumable batch order."""
 
 import math
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.ciera import arguments, data
-from megatron.ciera.upstream_features import null_tokenizer_vocab_size
+from megatron.ciera.app import arguments, data
+from megatron.ciera.app.upstream_features import null_tokenizer_vocab_size
 
 
 class BatchOrder:
@@ -149,7 +149,7 @@ def test_dataset_config_is_read_off_the_dataclass():
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_training_with_the_dataset_flags_is_bit_identical_with_ciera(tmp_path):
-    from megatron.ciera.launch import run_pretrain
+    from megatron.ciera.app.launch import run_pretrain
 
     prefix = _byte_corpus(tmp_path)
     flags = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "64",

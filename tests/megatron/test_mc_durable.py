@@ -1,7 +1,7 @@
 """After any crash the newest checkpoint whose writes completed an iteration before is published
 and resumes bit-exactly; SIGTERM with --exit-signal-handler saves the current iteration and exits
-cleanly; an argument error or a full disk is one line (megatron.ciera.checkpoint_async,
-megatron.ciera.exit_signal, megatron.ciera.failfast).
+cleanly; an argument error or a full disk is one line (megatron.ciera.app.checkpoint_async,
+megatron.ciera.app.exit_signal, megatron.ciera.app.failfast).
 
 Short versions (2 ranks, a few iterations, --async-save with the persistent worker: the writer of
 both megatron-core releases) run by default; the other save modes are ``slow``."""
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron.ciera import checkpointing
-from megatron.ciera.launch import ROOT, run_pretrain, torchrun_command, torchrun_env
+from megatron.ciera.app import checkpointing
+from megatron.ciera.app.launch import ROOT, run_pretrain, torchrun_command, torchrun_env
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_mc_failfast import SAVE_MODES, TINY, Job, _kill_writer_mid_save  # noqa: E402

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.ciera import arguments, data, evaluation, feature_args, logging_utils, timers
+from megatron.ciera.app import arguments, data, evaluation, feature_args, logging_utils, timers
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_mc_data import BatchOrder  # noqa: E402  (the test oracle of the batch order)

@@ -1,6 +1,6 @@
 """An error on one rank ends the whole job within seconds, said once, by the rank that failed;
 no process outlives its rank; a stalled peer ends the job once, at the timeout, in one line naming
-the collective, the group and the ranks that did not arrive (megatron.ciera.failfast).
+the collective, the group and the ranks that did not arrive (megatron.ciera.app.failfast).
 
 Faults come from ``CIERA_FAULT_INJECT=KIND:RANK:ITERATION`` or from the test itself (kill -9 of a
 DataLoader worker, of rank 0 in the middle of a save). Every run trains far longer than the test
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.ciera.launch import torchrun_command, torchrun_env
+from megatron.ciera.app.launch import torchrun_command, torchrun_env
 
 sys.path.insert(0, os.path.dirname(__file__))
 from flag_args import async_save_flags  # noqa: E402
@@ -105,7 +105,7 @@ def children(pid: int) -> list[int]:
 
 def forked_writer(pid: int) -> bool:
     """A process forked by a rank (its command line) holding files open (not the rank's
-    sentinel, which closes them all: megatron.ciera.failfast)."""
+    sentinel, which closes them all: megatron.ciera.app.failfast)."""
     try:
         return "per_rank_pretrain" in open(f"/proc/{pid}/cmdline").read() and bool(os.listdir(f"/proc/{pid}/fd"))
     except OSError:
@@ -212,7 +212,7 @@ def test_killed_checkpoint_writer_ends_the_job_fast(tmp_path, mode):
 def test_what_a_killed_persistent_worker_left_loads(tmp_path):
     """After the persistent worker is killed mid-save, a resume loads what is left (iteration 2,
     or nothing published yet) and trains on."""
-    from megatron.ciera.launch import run_pretrain
+    from megatron.ciera.app.launch import run_pretrain
 
     mode = "async-persistent"
     tracker = _kill_writer_mid_save(tmp_path / "ckpt", mode)
@@ -318,7 +318,7 @@ def _resume_with_another_schedule(tmp_path) -> list[str]:
     """A 4-iteration run saved, then resumed with --train-iters 8 (another LR schedule: its decay
     steps): upstream's scheduler refuses the checkpoint's and the error names the two flags that
     choose. Returns the resume's flags."""
-    from megatron.ciera.launch import run_pretrain
+    from megatron.ciera.app.launch import run_pretrain
 
     flags = [*TINY[:-2], "--save", str(tmp_path / "ckpt")]
     first = run_pretrain([*flags, "--train-iters", "4"], timeout=240)
@@ -336,7 +336,7 @@ def _scheduler(*extra: str):
     import torch
 
     from flag_args import parse_and_validate
-    from megatron.ciera import model as model_lib
+    from megatron.ciera.app import model as model_lib
 
     args = parse_and_validate([*TINY[:-2], *extra], world=2)
     return model_lib.scheduler(args, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=args.lr))
@@ -359,7 +359,7 @@ def test_resume_with_another_schedule_names_the_flags_that_resolve_it(tmp_path):
 
 @pytest.mark.slow  # a third launch; the default test checks the refusal and the flags in process
 def test_resume_with_override_opt_param_scheduler_trains_on(tmp_path):
-    from megatron.ciera.launch import run_pretrain
+    from megatron.ciera.app.launch import run_pretrain
 
     resumed = run_pretrain([*_resume_with_another_schedule(tmp_path), "--override-opt_param-scheduler"], timeout=240)
     assert resumed.returncode == 0 and sorted(resumed.losses) == [5, 6, 7, 8], resumed.output[-3000:]

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from megatron.ciera import failfast
+from megatron.ciera.app import failfast
 
 from test_mc_arguments import error, parse
 
@@ -89,7 +89,7 @@ def test_verify_is_on_by_default():
 
 _FORK_PROBE = """
 import os, signal
-from megatron.ciera import failfast
+from megatron.ciera.app import failfast
 failfast.guard_children()
 plan = failfast.FaultPlan("kill-writer", 1, 4)
 with failfast.kill_forked_children(True, plan=plan) as block:
@@ -111,7 +111,7 @@ def test_a_kill_writer_fault_that_cannot_fire_says_so():
     import subprocess
     import sys
 
-    from megatron.ciera.launch import ROOT
+    from megatron.ciera.app.launch import ROOT
 
     out = subprocess.run([sys.executable, "-c", _FORK_PROBE], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "probe done" in out.stdout, out.stdout + out.stderr

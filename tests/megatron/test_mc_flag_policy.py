@@ -1,17 +1,17 @@
-"""megatron.ciera.flag_policy: flags whose effect upstream depends on another flag are accepted and
+"""megatron.ciera.app.flag_policy: flags whose effect upstream depends on another flag are accepted and
 inert while that flag is off (named at start-up), and decided by their own row once it is on;
 the activation and experimental flags read as upstream reads them."""
 
 import pytest
 
 from flag_args import TINY_FLAGS, parse_and_validate
-from megatron.ciera import arguments, flag_policy
+from megatron.ciera.app import arguments, flag_policy, flag_table
 
 BASE = [*TINY_FLAGS, "--use-distributed-optimizer"]
 
 
 def _dests() -> set:
-    return {flag["dest"] for flag in arguments.upstream_flags()}
+    return {flag["dest"] for flag in flag_table.upstream_flags()}
 
 
 def test_inert_rows_name_upstream_flags_and_say_why():
@@ -53,7 +53,7 @@ def test_gpu_only_rows_of_newer_releases():
 def test_squared_relu_is_the_activation_and_excludes_swiglu():
     from megatron.core.activations import squared_relu
 
-    from megatron.ciera import model
+    from megatron.ciera.app import model
 
     args = parse_and_validate([*BASE, "--squared-relu"], world=1, device="cpu")
     config = model.transformer_config(args)

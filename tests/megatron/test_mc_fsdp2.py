@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from flag_args import TINY_FLAGS, parse_and_validate
-from megatron.ciera import arguments
-from megatron.ciera.launch import run_pretrain
+from megatron.ciera.app import arguments
+from megatron.ciera.app.launch import run_pretrain
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_mc_training import TINY  # noqa: E402  (the same tiny MoE)
@@ -191,7 +191,7 @@ def test_units_are_encoded_after_megatrons_whole_optimizer_step():
     inner torch step: the units are staged and encoded by the training loop's
     ``after_optimizer_step`` (every chunk's gathers stepped once), not by a hook on the inner step,
     which would encode the previous values (and stop training at the next step's check)."""
-    from megatron.ciera import fsdp2
+    from megatron.ciera.binding import fsdp2
 
     class Gathers:
         steps = 0
@@ -202,6 +202,7 @@ def test_units_are_encoded_after_megatrons_whole_optimizer_step():
     chunks = [type("Chunk", (), {})() for _ in range(2)]
     for c in chunks:
         setattr(c, fsdp2._ATTR, Gathers())
-    fsdp2.after_optimizer_step(chunks)
-    fsdp2.after_optimizer_step(chunks)
+    binding = fsdp2.Fsdp2Binding()
+    binding.after_optimizer_step(chunks, overlap_param_gather=False)
+    binding.after_optimizer_step(chunks, overlap_param_gather=False)
     assert [getattr(c, fsdp2._ATTR).steps for c in chunks] == [2, 2]

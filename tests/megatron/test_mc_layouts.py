@@ -5,7 +5,7 @@ replicas cross-checked) are identical. CIERA binds to the distributed optimizer'
 buckets gather over the data-parallel group (TP/PP/CP peers excluded), expert buckets over the
 expert-data-parallel group; the summaries name both. The 4-rank TP2xEP2 (with overlapped gathers)
 and CP2xDP2 runs are in the default suite; the other layouts and the 8-rank combinations are ``slow``.
-Context parallelism on CPU runs :mod:`megatron.ciera.cp_attention` (the local spec's all-gather-KV
+Context parallelism on CPU runs :mod:`megatron.ciera.app.cp_attention` (the local spec's all-gather-KV
 attention); a slow test checks it against a CP 1 run on the same data (losses to fp32 tolerance).
 """
 
@@ -13,7 +13,7 @@ import functools
 
 import pytest
 
-from megatron.ciera.launch import run_pretrain
+from megatron.ciera.app.launch import run_pretrain
 
 pytestmark = pytest.mark.distributed
 

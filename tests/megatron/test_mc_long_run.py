@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from megatron.ciera.launch import run_pretrain
+from megatron.ciera.app.launch import run_pretrain
 
 from test_mc_training import TINY
 

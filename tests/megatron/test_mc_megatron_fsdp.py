@@ -1,5 +1,5 @@
 """pretrain_gpt.py --use-megatron-fsdp (megatron-core's own FSDP) on gloo ranks, made CPU-able by
-megatron.ciera.cpu_compat: every --data-parallel-sharding-strategy it accepts trains the tiny MoE
+megatron.ciera.binding.cpu_compat: every --data-parallel-sharding-strategy it accepts trains the tiny MoE
 with the distributed optimizer's per-iteration losses (float.hex), and with --ciera-allgather bit
 for bit as without (losses and the final params sha256: Megatron-FSDP's sharded parameters, read
 whole), each bucket gathered once per step (ZeRO-3 layer buckets: forward and backward of every
@@ -14,8 +14,8 @@ import sys
 import pytest
 
 from flag_args import TINY_FLAGS, parse_and_validate
-from megatron.ciera import arguments
-from megatron.ciera.launch import run_pretrain
+from megatron.ciera.app import arguments
+from megatron.ciera.app.launch import run_pretrain
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_mc_training import TINY  # noqa: E402  (the same tiny MoE, with --use-distributed-optimizer)
@@ -122,7 +122,7 @@ def stop_and_resume(tmp_path, *flags, at=2, nproc=2, gbs=8):
 
 
 def assert_resumes_bit_exact(tmp_path, *flags, nproc=2, gbs=8):
-    from megatron.ciera import checkpointing, fsdp_dtensor_checkpoint
+    from megatron.ciera.app import checkpointing, fsdp_dtensor_checkpoint
 
     whole = run(*flags, nproc=nproc, gbs=gbs)
     first, resumed = stop_and_resume(tmp_path, *flags, nproc=nproc, gbs=gbs)
@@ -234,9 +234,9 @@ def test_megatron_fsdp_zero3_expert_parallel_bit_identical_with_ciera(nproc, gbs
     assert set(encodes(result).values()) == {1 + ITERS}
 
 
-# -- the version gate of megatron.ciera.upstream_patch.megatron_fsdp ----------------------------------------
+# -- the version gate of megatron.ciera.binding.upstream_patch.megatron_fsdp ----------------------------------------
 def test_megatron_fsdp_patch_version_gate():
-    from megatron.ciera.upstream_patch import megatron_fsdp as patch
+    from megatron.ciera.binding.upstream_patch import megatron_fsdp as patch
 
     patch.check_upstream()  # the installed megatron-core's methods are the checked ones
     changed = dict(patch.installed_digests(patch.UPSTREAM_METHODS))
@@ -255,7 +255,7 @@ def test_gathers_start_inside_the_coalescing_manager(tmp_path):
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _coalescing_manager
 
-    from megatron.ciera.upstream_patch.megatron_fsdp import _start_outside_coalescing
+    from megatron.ciera.binding.upstream_patch.megatron_fsdp import _start_outside_coalescing
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.ciera import arguments, flag_policy, profiling
+from megatron.ciera.app import arguments, flag_policy, profiling
 
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
         "--max-position-embeddings", "32", "--lr", "1e-3", "--micro-batch-size", "2", "--global-batch-size", "4",
@@ -38,7 +38,7 @@ def _trace_events(path: Path) -> list[dict]:
 
 @pytest.mark.distributed
 def test_pytorch_profiler_writes_a_chrome_trace_of_the_requested_steps(tmp_path):
-    from megatron.ciera.launch import run_pretrain
+    from megatron.ciera.app.launch import run_pretrain
 
     tb = tmp_path / "tb"
     flags = [*TINY, "--train-iters", "5", "--log-interval", "5", "--profile", "--use-pytorch-profiler",

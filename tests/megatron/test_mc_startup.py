@@ -90,7 +90,7 @@ def _gpt2_bpe_flags(tmp_path) -> list[str]:
     """TINY with --tokenizer-type GPT2BPETokenizer on two files, checked in process: the tokenizer
     is built from them (vocabulary size, end-of-document id, BPE merges applied)."""
     pytest.importorskip("transformers")
-    from megatron.ciera import arguments, data
+    from megatron.ciera.app import arguments, data
 
     vocab, merges = _tiny_gpt2_bpe(tmp_path)
     flags = [f for f in TINY if f not in ("NullTokenizer", "--vocab-size", "127")]
@@ -110,7 +110,7 @@ def test_gpt2_bpe_tokenizer_from_vocab_and_merge_files(tmp_path):
 
 @pytest.mark.slow  # a launch; the tokenizer itself is checked by default (above)
 def test_gpt2_bpe_tokenizer_trains(tmp_path):
-    from megatron.ciera.launch import run_pretrain
+    from megatron.ciera.app.launch import run_pretrain
 
     result = run_pretrain(_gpt2_bpe_flags(tmp_path), nproc=1, timeout=300)
     assert result.returncode == 0, result.output[-3000:]

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from megatron.ciera import arguments, data, flag_policy
+from megatron.ciera.app import arguments, data, flag_policy
 
 BASE = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
         "--lr", "1e-4", "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2", "--mock-data",

@@ -10,7 +10,7 @@ import tempfile
 import pytest
 import torch
 
-from megatron.ciera.launch import run_pretrain
+from megatron.ciera.app.launch import run_pretrain
 
 pytestmark = pytest.mark.distributed
 
@@ -110,7 +110,7 @@ def test_fp32_accumulating_reduce_scatter_is_bit_identical():
     """--ddp-reduce-scatter-with-fp32-accumulation (upstream's all-to-all reduce-scatter: on gloo
     also the one that moves the all-gather's bytes, not an all-reduce's) with bf16 gradients; the
     testbed's configuration: synchronous param gathers of several bucket groups, which a request
-    starts all at once (megatron.ciera.bucket_group._Binding.launch)."""
+    starts all at once (megatron.ciera.binding.bucket_group._Binding.launch)."""
     flags = ("--overlap-grad-reduce", "--ddp-bucket-size", "20000", "--grad-reduce-in-bf16",
              "--ddp-reduce-scatter-with-fp32-accumulation")
     ciera = run(*flags, *CIERA)

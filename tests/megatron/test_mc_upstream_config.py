@@ -16,7 +16,7 @@ import sys
 import pytest
 
 import test_mc_upstream_replay as replay_fixtures
-from megatron.ciera import arguments
+from megatron.ciera.app import arguments
 
 FIXTURE = {p.stem: p for p in replay_fixtures.FIXTURES}
 TE_FLAGS = {"--fp8-format", "--fp8-param-gather", "--fp8-amax-compute-algo", "--fp8-amax-history-len",
@@ -47,7 +47,7 @@ def _upstream_config(flags: list[str], monkeypatch):
 @pytest.mark.parametrize("name", ["gpt3_15b_8t_release", "gptoss_02_train"])
 def test_transformer_config_is_upstreams(name, monkeypatch):
     pytest.importorskip("megatron.training.arguments", reason="megatron-core without megatron.training (< 0.19)")
-    from megatron.ciera import model
+    from megatron.ciera.app import model
 
     # FP8 and the fused permutation: megatron-core asks transformer-engine's version for them, not installed
     # here; on both sides the rest is built as the GPU node with TE would (model._te_importable).

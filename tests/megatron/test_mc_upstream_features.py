@@ -1,11 +1,11 @@
-"""megatron.ciera.upstream_features: the one probe of where the supported megatron-core releases
+"""megatron.ciera.app.upstream_features: the one probe of where the supported megatron-core releases
 differ reads each checked release as recorded here."""
 
 import dataclasses
 
 import pytest
 
-from megatron.ciera.upstream_features import features, has_flag, null_tokenizer_vocab_size
+from megatron.ciera.app.upstream_features import features, has_flag, null_tokenizer_vocab_size
 
 # What each checked release probes as (every field but version).
 RECORDED = {

@@ -1,10 +1,10 @@
-"""megatron.ciera.upstream_patch: the version gate. Every upstream method the binding replaces,
+"""megatron.ciera.binding.upstream_patch: the version gate. Every upstream method the binding replaces,
 copies or relies on has its source digest recorded per checked megatron-core version; a new
 version fails here naming each changed method and what to re-check in it."""
 
 import pytest
 
-from megatron.ciera import upstream_patch as upstream
+from megatron.ciera.binding import upstream_patch as upstream
 
 from test_mc_bucket_group import FakeGather, fake_ddp, make_group
 
@@ -92,7 +92,7 @@ def test_a_method_is_accepted_as_in_any_checked_version():
 def test_install_refuses_a_changed_upstream_before_any_collective(monkeypatch):
     changed = {name: "0" * 16 for name in upstream.installed_digests()}
     monkeypatch.setattr(upstream, "installed_digests", lambda methods=None: changed)
-    from megatron.ciera import bucket_group as binding
+    from megatron.ciera.binding import bucket_group as binding
 
     FakeGather.log = []
     group = make_group()

@@ -6,7 +6,7 @@ flag sets at one release tag, replayed as a user would: plus ``--use-distributed
 --ciera-allgather``, validated for the GPU node they were written for (``device='cuda'`` with
 transformer-engine), at the smallest world size their layout fits (8 GPUs or a multiple of the
 layout's product). On an older installed megatron-core, flags of the fixtures' newer release are
-refused by name (:func:`megatron.ciera.arguments.newer_release_flags`).
+refused by name (:func:`megatron.ciera.app.flag_table.newer_release_flags`).
 
 The runs (:func:`shrink`) keep every flag and cut what is a size (layers, hidden, heads, experts,
 sequence, batch, iterations) to fit at most 8 CPU gloo ranks; data becomes ``--mock-data``, and
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron.ciera import arguments
-from megatron.ciera.launch import run_pretrain
+from megatron.ciera.app import arguments, flag_table
+from megatron.ciera.app.launch import run_pretrain
 
 FIXTURES = sorted((Path(__file__).parent / "upstream_commands").glob("*.txt"))
 # Commands whose rejection (on the fixtures' release) is the right answer, with what is named.
@@ -57,7 +57,7 @@ def _tag(path: Path) -> str:
 
 
 def _installed_tag() -> str:
-    source = json.loads(arguments._table_path().read_text())["source"]
+    source = json.loads(flag_table.table_path().read_text())["source"]
     return source.split()[1]
 
 
@@ -69,7 +69,7 @@ def _world(args) -> int:
 
 
 def _parse(argv: list[str]):
-    if newer := arguments.newer_release_flags(argv):
+    if newer := flag_table.newer_release_flags(argv):
         raise ValueError(f"{', '.join(newer)}: flags of a newer Megatron-LM release ({', '.join(set(newer.values()))})")
     parser = arguments.build_parser()
     args = parser.parse_args(argv)
@@ -121,7 +121,7 @@ def test_rejected_commands_name_the_flag(name):
 
 def test_replayed_configs_pick_the_gpu_paths():
     """What a GPU node would build for upstream's MoE command: TE spec, grouped GEMM, fusions."""
-    from megatron.ciera import model
+    from megatron.ciera.app import model
 
     path = next(p for p in FIXTURES
                 if p.stem == "gpt3_mcore_te_tp2_pp1_te_8experts2parallel_overlap_grad_reduce_param_gather_groupedGEMM")
@@ -237,7 +237,7 @@ def _run(name: str, ciera: bool):
     path = next(p for p in FIXTURES if p.stem == name)
     if name in CPU_UNRUNNABLE:
         pytest.skip(CPU_UNRUNNABLE[name])
-    if newer := arguments.newer_release_flags(_flags(path)):
+    if newer := flag_table.newer_release_flags(_flags(path)):
         pytest.skip(f"{', '.join(newer)}: flags of {_tag(path)}, newer than the installed {_installed_tag()}")
     flags, world = shrink(path)
     return run_pretrain([*flags, *(CIERA if ciera else [])], nproc=world, timeout=900)

@@ -2,7 +2,7 @@
 
 import warnings
 
-from megatron.ciera import upstream_notices
+from megatron.ciera.app import upstream_notices
 
 
 def test_filter_silences_the_fallback_notices_and_nothing_else():

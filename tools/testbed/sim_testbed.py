@@ -431,7 +431,7 @@ def compressed_sequence(link, *, world: int, buckets: list[float], estimate: Cod
     :class:`MeasuredLink` the link sits idle during the encode before the first payload and
     during each decode before the next.
 
-    ``waves >= 1`` (``megatron.ciera.bucket_group._Binding.launch``), ``agreement_s`` per
+    ``waves >= 1`` (``megatron.ciera.binding.bucket_group._Binding.launch``), ``agreement_s`` per
     agreement included: the buckets are prepared in ``waves`` equal waves. A wave is encoded by
     the host, agreed (after the previous wave's payloads have crossed: one collective queue per
     group) and launched; its payloads cross back to back while the host encodes the next wave.
