@@ -37,6 +37,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from .changes import ShardWrites
 from .codecs.formats import FORMATS, as_bits, float_format
 from .codecs.registry import needs_values_cache
 from .comm import all_gather_into
@@ -94,7 +95,9 @@ class Zero3Gather:
         self._exps: torch.Tensor | None = None  # cache='exponents': [world, n] uint8
         self._sent: torch.Tensor | None = None  # this rank's shard as last sent fresh (or staged to be)
         self._exps_valid = False  # the exponent cache holds the last gathered buffer's exponents
-        self._fresh = True  # the next gather encodes (or was prepared ahead: the inner is AGREED)
+        self.writes = ShardWrites()
+        """Marked by :meth:`step` and :meth:`invalidate`: the next gather encodes (or was prepared
+        ahead: the inner is AGREED)."""
         self._plain = GatherStats(codec="raw")  # gathers that never reach the inner gather
         self.gathers_this_step = 0
         """Gathers since the last :meth:`step` (the count a step needs: 1, or 2 x micro-batches)."""
@@ -159,7 +162,7 @@ class Zero3Gather:
             mode = "fresh"
         elif inner.phase is Phase.AGREED:
             mode = "ahead"  # prepared with its group after the step, from the staged copy in _sent
-        elif self._fresh or not self.stepped or inner.last_plan is None:
+        elif self.writes.written or not self.stepped or inner.last_plan is None:
             mode = "fresh"  # this gather's own agreement
         else:
             mode = "replay"  # a later gather of the step: the step's plan again, no agreement
@@ -185,7 +188,7 @@ class Zero3Gather:
             self._seed(buffer)
         if fresh:
             self.fresh_gathers += 1
-            self._fresh = False
+            self.writes.sent()
         work = inner.start()
         self._handle = Zero3Handle(work=work, ready=isinstance(work, _DoneHandle), finish=lambda: self._finish(
             buffer=buffer, output=output, own=own, replayed=plan.replay, staged=mode == "ahead"))
@@ -238,7 +241,7 @@ class Zero3Gather:
             exps = self.cache == "exponents"
             self._inner.selector.shape = StepShape(gathers=self.gathers_this_step, replays_send=exps,
                                                    cache_passes=2 if exps else 0)
-        self._fresh = True
+        self.writes.mark()
         self.gathers_this_step = 0
 
     def prepares_ahead(self) -> bool:
@@ -269,7 +272,7 @@ class Zero3Gather:
     def invalidate(self) -> None:
         """After any write to the shard outside the optimizer step (checkpoint load): the next
         gather is raw on every rank and refills the caches."""
-        self._fresh = True
+        self.writes.mark()
         if self._two is not None:
             self._two.stage1.invalidate()
         if self._inner is not None:

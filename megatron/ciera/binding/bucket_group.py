@@ -40,6 +40,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+from ciera.changes import ShardWrites
+
 from . import upstream_patch as upstream
 from .protocol import Binding
 
@@ -121,7 +123,7 @@ class _Binding:
         and agree all their sizes in ONE collective (:func:`ciera.agreement.agree_sizes`). Every rank
         selects the same groups in the same order (the written flags follow the same optimizer
         steps everywhere). Returns the number of buckets prepared."""
-        todo = [s for s in self.groups if s.process_group is process_group and s.written and not s.prepared
+        todo = [s for s in self.groups if s.process_group is process_group and s.writes.written and not s.prepared
                 and not upstream.gather_in_flight(s.bucket_group) and s.launched is None]
         gathers = [g for s in todo for g in s.gathers]
         if gathers:
@@ -142,7 +144,7 @@ class _Binding:
         if state.launched is not None:
             handle, state.launched = state.launched, None
             return handle
-        if not state.written:
+        if not state.writes.written:
             return None
         return self.launch(state, ahead=ahead)
 
@@ -178,7 +180,8 @@ class _Binding:
                 self._unwind_launch(done=todo[:i], failed=todo[i:])
                 raise
             s.prepared = False
-            s.written = not self.tracks_writes
+            if self.tracks_writes:  # (else every request gathers: the group stays marked)
+                s.writes.sent()
         handle, state.launched = state.launched, None
         return handle
 
@@ -190,7 +193,8 @@ class _Binding:
         gathers them again (raw: ``invalidate()``)."""
         for s in failed:
             _unwind(s.gathers, [])
-            s.prepared, s.written = False, True
+            s.prepared = False
+            s.writes.mark()
         handles = []
         for s in done:
             handles.append(s.launched)
@@ -228,11 +232,11 @@ class _GroupState:
     gathers: list
     overlap: bool
     """``ddp_config.overlap_param_gather``: the gathers are requested by the forward's pre-hooks."""
-    written: bool = True
+    writes: ShardWrites = field(default_factory=ShardWrites)
     """Some shard changed since this group's last gather. With optimizer tracking it starts
-    False: like upstream (no gather before the first step in synchronous mode), the buffers built
+    clear: like upstream (no gather before the first step in synchronous mode), the buffers built
     from identically initialised parameters already agree; a load must call
-    :func:`invalidate_param_caches`, which sets it."""
+    :func:`invalidate_param_caches`, which marks it."""
     prepared: bool = False
     """Encoded and sizes agreed for the next gather."""
     launched: object = None
@@ -242,7 +246,7 @@ class _GroupState:
 
 def _mark_written(states) -> None:
     for state in states:
-        state.written = True
+        state.writes.mark()
 
 
 def install(ddp_models: Iterable, config, optimizer_config=None, make_gather: Callable | None = None,
@@ -288,7 +292,7 @@ def install(ddp_models: Iterable, config, optimizer_config=None, make_gather: Ca
         wrapped = upstream.wrap_optimizer_steps(optimizer, binding.owners, _mark_written)
         binding.tracks_writes, binding.wrapped_optimizers = wrapped is not None, wrapped or []
         for s in binding.groups:
-            s.written = not binding.tracks_writes
+            s.writes = ShardWrites(written=not binding.tracks_writes)
         if not binding.tracks_writes:
             log("CIERA all-gather: the optimizer exposes no parameter buffers; every start_param_sync gathers")
     if binding.groups and hasattr(binding.groups[0].gathers[0], "device_bytes"):
@@ -341,7 +345,7 @@ def invalidate_param_caches(ddp_models: Iterable) -> None:
     ddp_models = list(ddp_models)
     finish_param_gathers(ddp_models)
     for s in _installed(ddp_models):
-        s.written = True
+        s.writes.mark()
         s.prepared = False
         for gather in s.gathers:
             gather.invalidate()
