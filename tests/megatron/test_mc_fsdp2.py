@@ -157,6 +157,8 @@ def test_fsdp2_flags_map_onto_the_ciera_config():
     default = arguments.ciera_config_from_args(parse(["--ciera-allgather"]))
     assert (default.cache, default.cache_budget) == ("auto", "50%")  # the library's
     assert arguments.ciera_config_from_args(parse(["--ciera-allgather", "--ciera-cache-budget", "2GiB"])).cache_budget == "2GiB"
+    two = arguments.ciera_config_from_args(parse(["--ciera-allgather", "--ciera-cache", "two_level", "--ciera-node-size", "8"]))
+    assert (two.cache, two.node_size, default.node_size) == ("two_level", 8, 0)  # 0: LOCAL_WORLD_SIZE
     assert "--no-gradient-accumulation-fusion" not in args.cpu_ignored  # off is what runs on CPU
 
 

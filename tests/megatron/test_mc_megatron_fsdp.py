@@ -301,6 +301,7 @@ def test_megatron_fsdp_zero3_one_micro_batch_agrees_once_per_step():
     assert int(agreed.group(2)) == len(encodes(result)) and int(agreed.group(1)) in (ITERS, 2 * ITERS)
 
 
+@pytest.mark.slow  # (4 ranks, two launches; the default run gathers two levels on 4 ranks in tests/distributed/test_two_level.py)
 def test_megatron_fsdp_zero3_two_level_cache_is_bit_identical_on_two_nodes_of_two():
     """Four ranks as two nodes of two (--ciera-node-size 2): every ZeRO-3 bucket gathers compressed
     across nodes from a cache of half the values, raw within the node; bit for bit, and the cache
