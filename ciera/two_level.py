@@ -71,10 +71,14 @@ def layout_of(*, ranks: list[int], ranks_per_node: int) -> NodeLayout | None:
     return NodeLayout(nodes=len(distinct), local=local)
 
 
+def _global_ranks(group) -> list[int]:
+    """The global ranks of ``group`` in group order (``None``: the default group)."""
+    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+
+
 def group_layout(group, *, ranks_per_node: int) -> NodeLayout | None:
     """:func:`layout_of` for a process group (``None``: the default group)."""
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    return layout_of(ranks=ranks, ranks_per_node=ranks_per_node)
+    return layout_of(ranks=_global_ranks(group), ranks_per_node=ranks_per_node)
 
 
 def nodes_of(group, *, configured: int) -> int:
@@ -100,7 +104,7 @@ class NodeGroups:
 def split_group(group, *, layout: NodeLayout) -> NodeGroups:
     """Create this rank's inter and intra groups (collective among their members only: every rank
     of ``group`` calls it at the same point, in the same order of groups)."""
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    ranks = _global_ranks(group)
     rank = dist.get_rank(group)
     node, local = layout.place(rank)
     inter = [ranks[n * layout.local + local] for n in range(layout.nodes)]
