@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ciera.config import CACHES, CieraConfig
+from ciera.shutdown import end_process
 
 
 class Block(torch.nn.Module):
@@ -173,4 +174,4 @@ def _params_sha256(model: torch.nn.Module) -> str:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    end_process(main())  # not a plain exit: see end_process (gloo's workers outlive the group)

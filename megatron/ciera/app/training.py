@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from ciera.shutdown import end_process
 from megatron.ciera.binding.report import bucket_table, totals
 from megatron.ciera.binding.engines import binding_for
 from megatron.ciera.binding.protocol import Binding
@@ -550,6 +551,7 @@ def main(argv: list[str] | None = None) -> None:
     if dist.is_initialized():  # only after success: every rank reaches this barrier
         dist.barrier()
         dist.destroy_process_group()
+    end_process(0)  # not a plain return: see end_process (gloo's workers outlive the group)
 
 
 if __name__ == "__main__":
