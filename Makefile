@@ -91,8 +91,10 @@ $(VENV312)/.installed: setup.py
 $(VENV312)/.native: $(NATIVE_SRC) | $(VENV312)/.installed
 	@[ -e $@ ] && [ -z "$$(find $(NATIVE_SRC) -newer $@)" ] || { $(VENV312)/bin/python setup.py -q build_ext --inplace && touch $@; }
 
+# The Megatron tests and the library's multi-process ones on the second stack (both run; either failing fails).
 test-latest: setup312
-	$(VENV312)/bin/python -m pytest -q tests/megatron tests/distributed
+	$(VENV312)/bin/python -m pytest -q tests/megatron; a=$$?; \
+	$(VENV312)/bin/python -m pytest -q -m distributed tests/ciera; b=$$?; exit $$(( a || b ))
 
 # The codec table in one command: reference vs native (1 and 2 threads) vs ZipNN and zstd,
 # wall and CPU clocks, with a verdict line per target.

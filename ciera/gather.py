@@ -25,9 +25,9 @@ One gather walks four phases (:class:`Phase`), each step a public method:
 
 :meth:`CieraAllGather.prepare` and :meth:`CieraAllGather.prepare_many` run steps 1-2 for one bucket or
 for many with one agreement. From step 2 to the end of ``wait()`` the compressed path reads nothing
-on the host and allocates nothing (``tests/distributed/test_host_reads.py`` fails if that changes).
+on the host and allocates nothing (``tests/ciera/test_host_reads.py`` fails if that changes).
 
-Streams (CUDA; ``tests/unit/test_stream_policy.py`` checks it on CPU with a recording fake of
+Streams (CUDA; ``tests/ciera/test_stream_policy.py`` checks it on CPU with a recording fake of
 ``torch.cuda``): the **encode** runs on the device's one side stream (:func:`side_stream`), after
 it waited for the stream current at the proposal (the optimizer wrote the shard there) and that
 stream waited for the previous gather's decode; the agreement's stream waits for the encode's
@@ -99,7 +99,7 @@ _TRANSITIONS = {
     Phase.AGREED: {Phase.IN_FLIGHT, Phase.IDLE},
     Phase.IN_FLIGHT: {Phase.IDLE},
 }
-"""The legal moves of :class:`Phase` (``tests/unit/test_gather_phases.py`` walks all of them)."""
+"""The legal moves of :class:`Phase` (``tests/ciera/test_gather_phases.py`` walks all of them)."""
 
 
 def _uses_streams(device: torch.device) -> bool:

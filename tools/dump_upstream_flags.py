@@ -11,7 +11,7 @@ installed megatron-core (the table in the repo: tag ``core_v0.16.1``):
 
 (0.17+ needs Python 3.12 and that megatron-core installed: ``make setup312``'s ``.venv312``. From
 0.17 on the wheel ships ``megatron/training`` itself, so its site-packages directory also serves as
-the checkout; ``tests/megatron/test_mc_flag_table.py`` dumps it that way and compares with the table.)
+the checkout; ``tests/megatron/ciera/app/test_mc_flag_table.py`` dumps it that way and compares with the table.)
 
 Only upstream's parser is executed (``add_megatron_arguments`` on a fresh ArgumentParser); no code
 of it is copied. Types are recorded by name (int/float/str/bool) or ``"custom"`` for upstream's

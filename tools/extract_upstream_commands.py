@@ -1,5 +1,5 @@
 """Turn Megatron-LM's own launch configurations into the flag-set fixtures that
-``tests/megatron/test_mc_upstream_replay.py`` replays (test data, one file per command).
+``tests/megatron/ciera/app/test_mc_upstream_replay.py`` replays (test data, one file per command).
 
     python tools/extract_upstream_commands.py /path/to/Megatron-LM core_v0.19.0 NAME...
 

@@ -68,7 +68,7 @@ print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton
 }
 
 kernels() {
-    $PY -m pytest -q -p no:cacheprovider tests/kernels tests/codecs/test_delta.py -k "triton or Triton or tiles or decode_many" \
+    $PY -m pytest -q -p no:cacheprovider tests/kernels tests/ciera/codecs/test_delta.py -k "triton or Triton or tiles or decode_many" \
         2>&1 | tee "$OUT/kernels.log"
     $PY -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log"  # every test marked gpu
 }

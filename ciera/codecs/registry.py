@@ -190,7 +190,7 @@ WIRE_WORDS: Mapping[str, int] = _WireWords()
 """The table of wire words: the agreement's flags (:data:`FLAG_WORDS`) and every registered codec's
 id (its :attr:`CodecSpec.codec_id`, the codec byte of its payload header). The C library's codec ids
 (``CIERA_CODECS`` in ``ciera/native/csrc/ciera_codecs.h``) are the native codecs' words
-(``tests/codecs/test_native.py`` compares them)."""
+(``tests/ciera/native/test_native.py`` compares them)."""
 
 
 def make_codec(

@@ -226,7 +226,7 @@ class Direct:
     serial time that no thread count shortens. Both methods return ``False``, having done nothing, when an argument is not
     exactly what the call needs (the caller then takes the checked path, which names the problem)
     and when the header is refused (idem); bytes, state and bits are those of the checked path
-    (tests/codecs/test_native.py compares them)."""
+    (tests/ciera/native/test_native.py compares them)."""
 
     def __init__(self, *, codec_id: int, clayout, numel: int, dtype: torch.dtype, state_dtype: torch.dtype,
                  fixed_bytes: int, name: str):

@@ -50,7 +50,7 @@ def fsdp2_run(tmp_path_factory) -> tuple[str, str]:
 
 
 # The example's default cache by default; both caches of ciera.fsdp2 are compared with FSDP2's own
-# gather by default in tests/distributed/test_zero3.py.
+# gather by default in tests/ciera/test_zero3.py.
 @pytest.mark.parametrize("cache", ["exponents", pytest.param("values", marks=pytest.mark.slow)])
 def test_fsdp2_example_is_bit_identical_with_ciera(tmp_path, fsdp2_run, cache):
     sha0, losses0 = fsdp2_run

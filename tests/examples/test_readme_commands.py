@@ -43,7 +43,7 @@ DEMO_MAX_LINES = 40
 NOT_RUN = {
     r"make (demo|setup|setup312)\b": "set-up: `make demo` runs first in this test; the others build environments",
     r"make (test|test-all|test-latest)\b|\.venv/bin/python -m pytest ": "the test suites themselves (CI runs them)",
-    r"sudo |make (demo-cluster|bench-cluster)\b": "root: the testbed's network namespaces (tests/testbed)",
+    r"sudo |make (demo-cluster|bench-cluster)\b": "root: the testbed's network namespaces (tests/tools/testbed)",
     r"pip install ": "installs into the reader's own environment (a GPU cluster's torch)",
     r"(NNODES=\d+ )?sbatch |examples/\w+/train_\w+\.sh\s*(#|$)": "GPU nodes or SLURM (DRY_RUN checked by test_launch_scripts)",
     r"python tools/preprocess_data\.py --input corpus\.jsonl|DATA_PATH=data/corpus": "the reader's own corpus",

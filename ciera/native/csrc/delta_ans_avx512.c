@@ -3,7 +3,7 @@
  * registers of 16 lanes: one step of every stream is a few dozen vector instructions, table
  * lookups are gathers, the encoder's renormalisation words go to each lane's buffer by a masked
  * scatter and the decoder's come in by a masked gather. Same bytes and statuses as the portable
- * paths (tests/codecs/test_native.py runs both). */
+ * paths (tests/ciera/native/test_native.py runs both). */
 #include "delta_ans.h"
 
 #if CIERA_X86

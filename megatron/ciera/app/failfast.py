@@ -567,7 +567,10 @@ def describe_wait(frames) -> str:
 
 
 def _short(path: str) -> str:
-    for anchor in (f"{os.sep}site-packages{os.sep}", f"{os.sep}megatron{os.sep}ciera{os.sep}"):
-        if anchor in path:
-            return path.split(anchor, 1)[1] if "site-packages" in anchor else "megatron/ciera/" + path.split(anchor, 1)[1]
-    return os.path.basename(path)
+    """``path`` as a reader finds it: below site-packages, else relative to this checkout's root
+    (which holds ``megatron/ciera``), else as the interpreter was given it."""
+    site = f"{os.sep}site-packages{os.sep}"
+    if site in path:
+        return path.split(site, 1)[1]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))) + os.sep
+    return path[len(root):] if path.startswith(root) else path

@@ -4,7 +4,7 @@ The binding is one code path for both releases. A place that must act differentl
 :func:`features` (or :func:`has_flag`) instead of comparing version strings; each field is read
 off the installed release's own objects (a class attribute, a signature, its flag table), so a
 release that adds or drops one of them is read as it is. (The bucket-group patches probe each
-bucket group object instead: :func:`megatron.ciera.binding.upstream_patch.upstream_post_sync`.) ``tests/megatron/test_mc_upstream_features.py``
+bucket group object instead: :func:`megatron.ciera.binding.upstream_patch.upstream_post_sync`.) ``tests/megatron/ciera/app/test_mc_upstream_features.py``
 records what each checked release probes as.
 
     from megatron.ciera.app.upstream_features import features, has_flag

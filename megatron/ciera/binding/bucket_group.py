@@ -31,7 +31,7 @@ Invariant the gathers rely on: between two gathers of a bucket, only this rank's
 Errors unwind: when a bucket's prepare, start or wait raises, the gathers already started are
 waited, the others dropped back to idle (their next gather raw on every rank), and the first error
 propagates; no gather is left proposed, agreed or in flight, so a checkpoint save and a clean exit
-(or the same request again) work (``tests/megatron/test_mc_bucket_group_errors.py``).
+(or the same request again) work (``tests/megatron/ciera/binding/test_mc_bucket_group_errors.py``).
 """
 
 from __future__ import annotations

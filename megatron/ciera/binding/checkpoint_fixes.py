@@ -6,7 +6,7 @@ versions it was checked on, its gate (it acts only where the behaviour is presen
 upstream change that retires it; :data:`UPSTREAM_METHODS` holds the upstream methods they replace
 or rely on, with their source digests per checked version in :data:`KNOWN_SOURCES`, checked by
 :mod:`megatron.ciera.binding.upstream_patch`'s gate (``upstream_changes(methods=UPSTREAM_METHODS,
-known=KNOWN_SOURCES)``: ``tests/megatron/test_mc_checkpointing.py`` fails on a release that
+known=KNOWN_SOURCES)``: ``tests/megatron/ciera/app/test_mc_checkpointing.py`` fails on a release that
 changes one, naming it and what to re-check).
 
 * :func:`bucket_padding_fix` (saving ``fully_reshardable`` optimizer state). Upstream packs the

@@ -24,7 +24,7 @@ Version gate: every upstream method the above replaces, copies or relies on is l
 digest of each one's code (:func:`source_digest`: docstrings and comments do not count) in every
 megatron-core version it was checked against.
 :func:`check_upstream` (run by :func:`attach`) refuses an installed megatron-core whose sources
-match none of them, naming each changed method; ``tests/megatron/test_mc_upstream_patch.py`` fails
+match none of them, naming each changed method; ``tests/megatron/ciera/binding/test_mc_upstream_patch.py`` fails
 on such a version with the same names and the digests to record once the re-check is done.
 """
 
@@ -212,7 +212,7 @@ def check_upstream(*, digests: Mapping[str, str] | None = None,
         raise RuntimeError(
             f"CIERA all-gather: megatron-core {installed_version()} changed methods the binding patches or "
             "relies on; re-check each, then record its digest in megatron.ciera.binding.upstream_patch.KNOWN_SOURCES "
-            "(tests/megatron/test_mc_upstream_patch.py prints them):\n  " + "\n  ".join(changes))
+            "(tests/megatron/ciera/binding/test_mc_upstream_patch.py prints them):\n  " + "\n  ".join(changes))
 
 
 # ---------------------------------------------------------------------------------------------
