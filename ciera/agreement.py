@@ -12,10 +12,6 @@ for each bucket with the pure :func:`plan_from_table`:
 * any rank found a corrupt payload in an earlier gather (``FLAG_CORRUPT``): an error on every rank
   (the values it trained on were not the ones sent; only a checkpoint restores bit-exactness);
 * any rank reports a failure (``FLAG_FAILED``): raw on every rank, caches invalidated everywhere;
-* any rank replays (``FLAG_REPLAY``: its shard is unchanged since its last gather) while another
-  does not: raw; a replaying rank whose shard did change after all (its size word counts the
-  changed values): treated as that rank's failure;
-* every rank replays: the previous plan again (:attr:`Plan.replay`);
 * any rank asks for raw (``FLAG_RAW``: warmup, after ``invalidate()``, selection chose raw): raw;
 * ranks propose different codecs: an error on every rank (it would be a bug in selection);
 * the largest payload is not smaller than the shard: raw (a shard that would not shrink travels
@@ -48,9 +44,6 @@ FLAG_RAW = WIRE_WORDS["raw"]  # 0: the proposal words are ciera.codecs.registry.
 """Proposal word: this rank sends raw (no payload encoded)."""
 FLAG_FAILED = WIRE_WORDS["failed"]  # -1
 """Proposal word: this rank failed locally (encode or an earlier decode); its caches are undefined."""
-FLAG_REPLAY = WIRE_WORDS["replay"]  # -2
-"""Proposal word: this rank's shard is unchanged since its last gather (no encode); the size word
-counts the values that changed after all (0 when the caller's claim holds)."""
 FLAG_CORRUPT = WIRE_WORDS["corrupt"]  # -3
 """Proposal word: a device decode on this rank found a corrupt payload in an earlier gather (reported
 without a host sync, so found only now): its buffer held wrong values for at least one step."""
@@ -61,10 +54,10 @@ class Proposal:
     """One rank's word for one bucket in the agreement."""
 
     flag: int
-    """A codec id (this rank encoded with it), ``FLAG_RAW``, ``FLAG_FAILED`` or ``FLAG_REPLAY``."""
+    """A codec id (this rank encoded with it), ``FLAG_RAW``, ``FLAG_FAILED`` or ``FLAG_CORRUPT``."""
     needed: torch.Tensor
-    """0-d int64 device tensor: the payload's size in bytes (``FLAG_REPLAY``: the count of values
-    that changed since the last gather). Not read on the host before the agreement."""
+    """0-d int64 device tensor: the payload's size in bytes. Not read on the host before the
+    agreement."""
     stale: torch.Tensor | None = None
     """0-d int64 device tensor: values found changed, since the last agreement, in gathers that
     repeated a plan without one (:meth:`ciera.CieraAllGather.replay`; expected 0); ``None``: 0."""
@@ -96,8 +89,8 @@ class Plan:
 
 RAW_PLAN = Plan(raw=True)
 REPLAY_PLAN = Plan(raw=False, replay=True)
-"""What :func:`plan_from_table` returns for an all-replay column; the gather substitutes its previous
-plan (with ``replay=True``)."""
+"""What :meth:`ciera.CieraAllGather.replay` applies (no agreement): the gather substitutes its
+previous plan (with ``replay=True``)."""
 
 
 def plan_from_table(column: Sequence[tuple[int, int]], *, codec_names: dict[int, str], shard_bytes: int,
@@ -109,12 +102,9 @@ def plan_from_table(column: Sequence[tuple[int, int]], *, codec_names: dict[int,
     corrupt = tuple(r for r, p in enumerate(proposals) if p == FLAG_CORRUPT)
     if corrupt:
         return Plan(raw=True, corrupt_ranks=corrupt)
-    stale = tuple(r for r, (p, n) in enumerate(column) if p == FLAG_REPLAY and n != 0)
-    failed = tuple(sorted({r for r, p in enumerate(proposals) if p == FLAG_FAILED} | set(stale)))
+    failed = tuple(r for r, p in enumerate(proposals) if p == FLAG_FAILED)
     if failed:
         return Plan(raw=True, failed_ranks=failed)
-    if FLAG_REPLAY in proposals:
-        return REPLAY_PLAN if all(p == FLAG_REPLAY for p in proposals) else RAW_PLAN
     if FLAG_RAW in proposals:
         return RAW_PLAN
     if len(set(proposals)) != 1:

@@ -61,7 +61,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .agreement import (FLAG_CORRUPT, FLAG_FAILED, FLAG_RAW, FLAG_REPLAY, RAW_PLAN, REPLAY_PLAN, Plan, Proposal,
+from .agreement import (FLAG_CORRUPT, FLAG_FAILED, FLAG_RAW, RAW_PLAN, REPLAY_PLAN, Plan, Proposal,
                         exchange, plan_from_table, stale_ranks)
 from .errors import CieraVerifyError, StaleReplayError
 from .codecs import HEADER_BYTES, Codec, PayloadHeader, codec_spec, codec_specs, make_codec
@@ -244,19 +244,14 @@ class CieraAllGather:
         (encodes), one collective carries all the proposals, every gather applies its plan.
         Collective over ``group``: every rank passes its gathers of that group in the same order.
         Returns the plans (for tests and logs)."""
-        return _prepare(list(gathers), group=group, replays=None)
+        return _prepare(list(gathers), group=group)
 
-    def prepare(self, *, replay: torch.Tensor | None = None) -> None:
+    def prepare(self) -> None:
         """Steps 1-2 for this bucket alone (one small collective; the host reads it). Call once the
         shard holds its new values (right after the optimizer step). Optional: ``start()`` prepares
-        when this was not called.
-
-        ``replay``: the caller's word that this rank's shard has not changed since its last gather,
-        as a 0-d int64 device tensor counting the values that did change (expected 0; not read here).
-        Nothing is encoded; when every rank replays, the last plan is repeated. A rank whose count
-        is not 0 is treated as failed: the gather is raw on every rank, never stale."""
+        when this was not called."""
         if self._phase is Phase.IDLE:
-            _prepare([self], group=self.group, replays=[replay])
+            _prepare([self], group=self.group)
 
     def replay(self, *, changed: torch.Tensor) -> None:
         """Steps 1-2 with no agreement: the last fresh plan again (``IDLE -> AGREED``), on the
@@ -283,14 +278,11 @@ class CieraAllGather:
         self._stale.add_(changed.reshape(()).to(torch.int64))
         self._stale_unreported = True
 
-    def propose(self, *, replay: torch.Tensor | None = None) -> Proposal:
+    def propose(self) -> Proposal:
         """Step 1: this rank's proposal. Encodes the shard (on CUDA on the side stream) unless it
-        sends raw or ``replay`` is given (see :meth:`prepare`). Never raises for a codec failure:
-        it is reported as ``FLAG_FAILED`` so that every rank learns it in the agreement."""
+        sends raw. Never raises for a codec failure: it is reported as ``FLAG_FAILED`` so that
+        every rank learns it in the agreement."""
         self._move(Phase.PROPOSED, "propose()")
-        if replay is not None:
-            self._proposed = ("replay", None)
-            return Proposal(FLAG_REPLAY, replay.to(torch.int64).reshape(()))
         try:
             mode = self._choose_mode()  # also after a failure: the selector's schedule stays rank-identical
             self._started += 1
@@ -747,7 +739,7 @@ class CieraAllGather:
             verify_replicas(self.buffer, group=self.group, name=self.name, salt=self._stats.gathers)
 
 
-def _prepare(gathers: list[CieraAllGather], *, group, replays) -> list[Plan]:
+def _prepare(gathers: list[CieraAllGather], *, group) -> list[Plan]:
     """Propose, agree in one collective, apply: the protocol's steps 1-2 for ``gathers``."""
     if not gathers:
         return []
@@ -757,7 +749,7 @@ def _prepare(gathers: list[CieraAllGather], *, group, replays) -> list[Plan]:
     if again:  # encoding twice would advance the sender state past what receivers hold
         raise RuntimeError(f"prepare_many: {again} are already prepared or in flight; start() and wait() them first")
     try:
-        return _propose_agree_apply(gathers, group=group, replays=replays or [None] * len(gathers))
+        return _propose_agree_apply(gathers, group=group)
     except BaseException:  # nothing of these gathers launched: every one back to idle (raw next), then raise
         for g in gathers:
             if g.phase in (Phase.PROPOSED, Phase.AGREED):
@@ -765,10 +757,9 @@ def _prepare(gathers: list[CieraAllGather], *, group, replays) -> list[Plan]:
         raise
 
 
-def _propose_agree_apply(gathers: list[CieraAllGather], *, group, replays) -> list[Plan]:
-    fresh = all(r is None for r in replays)
+def _propose_agree_apply(gathers: list[CieraAllGather], *, group) -> list[Plan]:
     unreported = any(g._stale_unreported for g in gathers)  # replays' checks ride on the next table
-    if fresh and not unreported and all(g.quiet_raw() for g in gathers):  # selection's raw, nothing due: a plain gather
+    if not unreported and all(g.quiet_raw() for g in gathers):  # selection's raw, nothing due: a plain gather
         for g in gathers:  # follows and needs no table (a local failure stays pending, reported later)
             g._started += 1
             g._move(Phase.PROPOSED, "prepare()")
@@ -776,13 +767,13 @@ def _propose_agree_apply(gathers: list[CieraAllGather], *, group, replays) -> li
         return [RAW_PLAN] * len(gathers)
     world = gathers[0].world
     if world == 1:
-        for g, r in zip(gathers, replays):
-            g.propose(replay=r)
+        for g in gathers:
+            g.propose()
             g.apply(RAW_PLAN)
         return [RAW_PLAN] * len(gathers)
     chose_raw = [g.raw_by_selection() for g in gathers]
-    proposals = [g.propose(replay=r) for g, r in zip(gathers, replays)]  # encodes queue on the side stream
-    if fresh and not unreported and all(chose_raw) and all(g.raw_by_selection() for g in gathers):
+    proposals = [g.propose() for g in gathers]  # encodes queue on the side stream
+    if not unreported and all(chose_raw) and all(g.raw_by_selection() for g in gathers):
         # Selection chose raw for every bucket, before and after this gather's decision point. That
         # choice is agreed across ranks (the selector agrees its inputs), so every rank takes this
         # branch together: the plain gather needs no size table. (A rank's local failure, FLAG_FAILED,

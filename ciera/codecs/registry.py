@@ -19,7 +19,7 @@ import torch
 
 from .base import Codec
 
-FLAG_WORDS = MappingProxyType({"corrupt": -3, "replay": -2, "failed": -1, "raw": 0})
+FLAG_WORDS = MappingProxyType({"corrupt": -3, "failed": -1, "raw": 0})
 """The agreement's proposal words that are no codec's id (:data:`ciera.agreement.FLAG_FAILED` and
 the like), and ``raw`` (0), which means the same in both roles: the shard travels as it is
 (``RawCodec``'s header, or a proposal to send raw; the gather never proposes ``RawCodec`` itself)."""

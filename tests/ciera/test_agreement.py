@@ -45,21 +45,11 @@ def test_disagreeing_codecs_are_an_error_naming_the_bucket():
         plan([(1, 100), (2, 100)])
 
 
-def test_replays_repeat_the_last_plan_only_when_every_rank_replays_unchanged():
-    from ciera.agreement import FLAG_REPLAY, REPLAY_PLAN
-
-    assert plan([(FLAG_REPLAY, 0), (FLAG_REPLAY, 0)]) == REPLAY_PLAN
-    assert plan([(FLAG_REPLAY, 0), (2, 100)]) == Plan(raw=True)  # mixed: raw, nobody decodes a stale payload
-    # a rank that claimed its shard unchanged but changed 3 values: its failure, raw everywhere
-    assert plan([(FLAG_REPLAY, 0), (FLAG_REPLAY, 3)]) == Plan(raw=True, failed_ranks=(1,))
-    assert plan([(FLAG_FAILED, 0), (FLAG_REPLAY, 3)]) == Plan(raw=True, failed_ranks=(0, 1))
-
-
 def test_a_corrupt_payload_found_late_outranks_every_other_word():
-    from ciera.agreement import FLAG_CORRUPT, FLAG_REPLAY
+    from ciera.agreement import FLAG_CORRUPT
 
     assert plan([(2, 100), (FLAG_CORRUPT, 0)]) == Plan(raw=True, corrupt_ranks=(1,))
-    assert plan([(FLAG_CORRUPT, 0), (FLAG_FAILED, 0), (FLAG_REPLAY, 3), (FLAG_CORRUPT, 0)]) == \
+    assert plan([(FLAG_CORRUPT, 0), (FLAG_FAILED, 0), (FLAG_RAW, 0), (FLAG_CORRUPT, 0)]) == \
         Plan(raw=True, corrupt_ranks=(0, 3))
 
 

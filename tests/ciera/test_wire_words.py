@@ -10,13 +10,13 @@ from ciera.codecs.registry import REGISTRY, WIRE_WORDS, CodecSpec
 
 
 def test_the_wire_words_keep_their_values():  # changing one changes the payload header or the agreement
-    assert dict(WIRE_WORDS) == {"corrupt": -3, "replay": -2, "failed": -1, "raw": 0, "exponent_reuse": 1,
+    assert dict(WIRE_WORDS) == {"corrupt": -3, "failed": -1, "raw": 0, "exponent_reuse": 1,
                                 "delta": 2, "delta_ans": 3}
     assert len(set(WIRE_WORDS.values())) == len(WIRE_WORDS)
 
 
 def test_agreement_flags_and_codec_ids_are_the_table():
-    flags = {"raw": agreement.FLAG_RAW, "failed": agreement.FLAG_FAILED, "replay": agreement.FLAG_REPLAY,
+    flags = {"raw": agreement.FLAG_RAW, "failed": agreement.FLAG_FAILED,
              "corrupt": agreement.FLAG_CORRUPT}
     assert flags == {k: WIRE_WORDS[k] for k in flags}
     for name in available_codecs():
