@@ -101,12 +101,21 @@ class Zero3Gather:
         self._plain = GatherStats(codec="raw")  # gathers that never reach the inner gather
         self.gathers_this_step = 0
         """Gathers since the last :meth:`step` (the count a step needs: 1, or 2 x micro-batches)."""
-        self.fresh_gathers = 0
-        """Gathers that encoded (at most one per step when ``stepped``)."""
-        self.gather_prepares = 0
+        self._fresh_gathers = 0  # this unit's own gather's counters (two_level: stage 1's instead)
+        self._gather_prepares = 0
+
+    @property
+    def fresh_gathers(self) -> int:
+        """Gathers that encoded (at most one per step when ``stepped``; ``two_level``: its stage
+        across nodes, the one that encodes)."""
+        return self._two.stage1.fresh_gathers if self._two is not None else self._fresh_gathers
+
+    @property
+    def gather_prepares(self) -> int:
         """Gathers that prepared (encoded and agreed) themselves: a unit's first gather, the first after
         :meth:`invalidate`, every fresh one of a unit without ``source`` (the others were prepared by
-        :meth:`Zero3Units.step`, or replay)."""
+        :meth:`Zero3Units.step`, or replay); ``two_level``: its stage across nodes'."""
+        return self._two.stage1.gather_prepares if self._two is not None else self._gather_prepares
 
     # -- the engine's side -----------------------------------------------------------------------
     def allocate(self, *, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -177,7 +186,7 @@ class Zero3Gather:
             inner.add_changed(_count_changed(input, self._sent))
         elif mode == "fresh":
             inner.prepare()
-            self.gather_prepares += 1
+            self._gather_prepares += 1
         else:
             inner.replay(changed=_count_changed(input, self._sent))
         fresh = mode != "replay"
@@ -187,7 +196,7 @@ class Zero3Gather:
                 raise RuntimeError(f"{self.name}: a compressed plan without the exponent cache (a bug)")
             self._seed(buffer)
         if fresh:
-            self.fresh_gathers += 1
+            self._fresh_gathers += 1
             self.writes.sent()
         work = inner.start()
         self._handle = Zero3Handle(work=work, ready=isinstance(work, _DoneHandle), finish=lambda: self._finish(
@@ -205,9 +214,7 @@ class Zero3Gather:
                                  name=f"{self.name}.nodes", stepped=self.stepped, source=self._source,
                                  measurements=units.measurements(groups.inter), units=self._units)
             self._two = TwoLevel(stage1=stage1, groups=groups)
-        stage1 = self._two.stage1
         self._handle = self._two.start(output=output, input=input)
-        self.fresh_gathers, self.gather_prepares = stage1.fresh_gathers, stage1.gather_prepares
         return self._handle
 
     def _compresses(self) -> bool:
