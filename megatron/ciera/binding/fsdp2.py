@@ -24,8 +24,8 @@ import torch
 
 from . import sharded_binding as shared
 
-__all__ = ["Fsdp2Binding", "wrap", "install", "after_optimizer_step", "invalidate_param_caches", "bucket_stats",
-           "summary", "cache_bytes", "planned_units"]
+__all__ = ["Fsdp2Binding", "wrap", "install", "after_optimizer_step", "bucket_stats",
+           "summary", "planned_units"]
 
 _ATTR = "_ciera_fsdp2_gathers"  # the Fsdp2Gathers of a wrapped chunk
 
@@ -147,14 +147,6 @@ def after_optimizer_step(model, *, overlap_param_gather: bool = False) -> None:
         g.step()
 
 
-def raise_pending_errors(model) -> None:
-    """Before a checkpoint: raise a corrupt payload that a device decode found and has not reported."""
-    shared.raise_pending_errors(model, _ATTR)
-
-
-def invalidate_param_caches(model) -> None:
-    """After a checkpoint load: every unit's next gather is raw and refills the caches."""
-    shared.invalidate(model, _ATTR)
 
 
 def bucket_stats(model) -> list[tuple[str, object]]:
@@ -174,18 +166,14 @@ def summary(model) -> str:
     encodes = ", ".join(f"{_short(name)} {gather.fresh_gathers}" for g in _gathers(model)
                         for name, gather in g.gathers.items() if gather.stats.gathers)
     return shared.summary(bucket_stats(model), encodes_title="CIERA ZeRO-3 encodes per unit", encodes=encodes,
-                          measured_cache=cache_bytes(model))
+                          measured_cache=shared.cache_bytes(model, _ATTR))
 
-
-def cache_bytes(model) -> int:
-    """Bytes this rank keeps between gathers, measured (known after the first forward)."""
-    return shared.cache_bytes(model, _ATTR)
 
 
 class Fsdp2Binding(shared.ShardedBinding):
     """:class:`~megatron.ciera.binding.protocol.Binding` of megatron-core's FSDP2 wrapper: this
-    module's functions (``raise_pending_errors``, ``invalidate_param_caches``, ``cache_bytes``: the
-    shared base's)."""
+    module's functions; ``raise_pending_errors``, ``invalidate_param_caches`` and ``cache_bytes``
+    are the shared base's."""
 
     noun = "FSDP2 unit"
     attr = _ATTR

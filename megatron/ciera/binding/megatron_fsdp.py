@@ -31,8 +31,8 @@ import torch
 
 from . import sharded_binding as shared
 
-__all__ = ["MegatronFsdpBinding", "wrap", "sync_params", "full_tensor", "install", "after_optimizer_step", "invalidate_param_caches",
-           "bucket_stats", "summary", "cache_bytes", "planned_units"]
+__all__ = ["MegatronFsdpBinding", "wrap", "sync_params", "full_tensor", "install", "after_optimizer_step",
+           "bucket_stats", "summary", "planned_units"]
 
 _ATTR = "_ciera_megatron_fsdp_gathers"  # the _Gathers of a wrapped chunk
 
@@ -216,14 +216,6 @@ def after_optimizer_step(model, *, overlap_param_gather: bool = False) -> None:
     """Nothing: the step's write of the shards marked them changed, and the step gathered."""
 
 
-def raise_pending_errors(model) -> None:
-    """Before a checkpoint: raise a corrupt payload that a device decode found and has not reported."""
-    shared.raise_pending_errors(model, _ATTR)
-
-
-def invalidate_param_caches(model) -> None:
-    """After a checkpoint load: every bucket's next gather is raw and refills the caches."""
-    shared.invalidate(model, _ATTR)
 
 
 def bucket_stats(model) -> list[tuple[str, object]]:
@@ -240,18 +232,14 @@ def summary(model) -> str:
                  f"steps (one per process group and step), {sum(u.gather_prepares for u in units)} in gathers "
                  f"(a bucket's first, or the first after a load)") if units else ""
     return shared.summary(bucket_stats(model), encodes_title="CIERA Megatron-FSDP encodes per bucket",
-                          encodes=encodes, measured_cache=cache_bytes(model)) + preparing
+                          encodes=encodes, measured_cache=shared.cache_bytes(model, _ATTR)) + preparing
 
-
-def cache_bytes(model) -> int:
-    """Bytes this rank keeps between ZeRO-3 gathers, measured (known after the first gathers)."""
-    return shared.cache_bytes(model, _ATTR)
 
 
 class MegatronFsdpBinding(shared.ShardedBinding):
     """:class:`~megatron.ciera.binding.protocol.Binding` of megatron-core's Megatron-FSDP: this
-    module's functions (``raise_pending_errors``, ``invalidate_param_caches``, ``cache_bytes``: the
-    shared base's)."""
+    module's functions; ``raise_pending_errors``, ``invalidate_param_caches`` and ``cache_bytes``
+    are the shared base's."""
 
     noun = "Megatron-FSDP bucket"
     attr = _ATTR
