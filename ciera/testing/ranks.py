@@ -11,6 +11,8 @@ import tempfile
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..shutdown import end_process
+
 
 def free_port() -> int:
     """A TCP port on loopback that is free right now."""
@@ -32,6 +34,7 @@ def _entry(rank: int, world: int, port: int, fn, args, result_dir: str, timeout_
     finally:
         gc.collect()  # objects in reference cycles still holding c10d work go before their group
         dist.destroy_process_group()
+    end_process(0)  # success: no interpreter finalization for gloo's workers to race (ciera.shutdown)
 
 
 def run_on_ranks(fn, *, world: int, args: tuple = (), timeout_s: float | None = None) -> list:

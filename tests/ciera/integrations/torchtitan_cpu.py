@@ -194,3 +194,6 @@ def deepseek_v3_debugmodel():
 if __name__ == "__main__":
     sys.argv[0] = "torchtitan.train"
     runpy.run_module("torchtitan.train", run_name="__main__", alter_sys=True)
+    from ciera.shutdown import end_process
+
+    end_process(0)  # after torchtitan's own teardown: no interpreter finalization for gloo's workers to race
