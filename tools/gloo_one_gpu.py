@@ -29,7 +29,6 @@ Writes a Markdown table (``--out-md``) for BENCHMARKS.md and exits 1 on any mism
 from __future__ import annotations
 
 import argparse
-import hashlib
 import math
 import sys
 import time
@@ -44,6 +43,7 @@ from ciera import CieraAllGather, CieraConfig  # noqa: E402
 from ciera.codecs import as_bits  # noqa: E402
 from ciera.testing.model_trajectory import MoEShape, ModelTrajectory, TinyMoE, param_kind  # noqa: E402
 from ciera.testing import run_on_ranks  # noqa: E402
+from ciera.testing.lm_steps import full_params_sha256, train_steps  # noqa: E402
 
 
 def _buckets(numel: int, world: int, n: int) -> list[tuple[int, int]]:
@@ -118,26 +118,12 @@ def fsdp2_worker(rank: int, world: int, device: str, steps: int, use_ciera: bool
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if use_ciera:
         ciera.fsdp2.enable(model, optimizer=opt, config=CieraConfig(codec=codec, selection="always"))
-    gen = torch.Generator().manual_seed(100 + rank)
-    losses = []
-    for _ in range(steps):
-        for _ in range(2):  # micro-batches
-            tokens = torch.randint(0, shape.vocab, (4, shape.seq + 1), generator=gen).to(dev)
-            logits = model(tokens[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, shape.vocab),
-                                                     tokens[:, 1:].reshape(-1))
-            loss.backward()
-            losses.append(loss.detach().float().item())
-        opt.step()
-        opt.zero_grad()
-    h = hashlib.sha256()
-    for name, p in sorted(model.state_dict().items()):
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        h.update(name.encode())
-        h.update(full.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    losses = train_steps(model, opt, steps=steps, micro_batches=2, vocab=shape.vocab, batch=4, seq=shape.seq,
+                         generator=torch.Generator().manual_seed(100 + rank), device=dev)
+    digest = full_params_sha256(model)
     if not all(math.isfinite(v) for v in losses):
         raise RuntimeError(f"rank {rank}: a loss is not finite: {losses}")
-    return {"losses": [v.hex() for v in losses], "sha256": h.hexdigest()}
+    return {"losses": [v.hex() for v in losses], "sha256": digest}
 
 
 PRETRAIN_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",

@@ -15,7 +15,6 @@ CPU (gloo) or CUDA (NCCL), picked from what the machine has.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import time
@@ -26,6 +25,7 @@ import torch.distributed as dist
 
 from ciera.config import CACHES, CieraConfig
 from ciera.shutdown import end_process
+from ciera.testing.lm_steps import full_params_sha256
 
 
 class Block(torch.nn.Module):
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
                 s = gathers.stats()
                 line += f" | ciera gathers: {s.gathers} ({s.compressed_gathers} compressed, {s.replays} replayed) | wire/raw: {s.wire_bytes / max(s.raw_bytes, 1):.3f}"
             print(line, flush=True)
-    digest = _params_sha256(model)
+    digest = full_params_sha256(model)  # a collective: every rank
     if rank == 0:
         steady = times[2:] or times
         print(f"mean iteration (ms, steps 3+): {1e3 * sum(steady) / len(steady):.1f}", flush=True)
@@ -161,16 +161,6 @@ def main(argv=None) -> int:
     dist.barrier()  # no rank tears its process group down while another still talks to it
     dist.destroy_process_group()
     return 0
-
-
-def _params_sha256(model: torch.nn.Module) -> str:
-    """sha256 over every full (gathered) parameter's bytes, in name order; equal on every rank."""
-    h = hashlib.sha256()
-    for name, p in sorted(model.state_dict().items()):
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        h.update(name.encode())
-        h.update(full.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 if __name__ == "__main__":

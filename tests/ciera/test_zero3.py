@@ -1,7 +1,6 @@
 """ZeRO-3 gathers (ciera.zero3, ciera.fsdp2) on real gloo ranks, bit for bit against the plain
 all-gather: fresh buffers every gather, one encode per step, replays for the step's later gathers."""
 
-import hashlib
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ from ciera import CieraConfig
 from ciera.codecs import as_bits
 from ciera.cost_model import LinkModel
 from ciera.testing import run_on_ranks
+from ciera.testing.lm_steps import full_params_sha256, train_steps
 from ciera.testing.trajectory import AdamTrajectory, adversarial_step
 from ciera.zero3 import Zero3Gather, cache_bytes_per_rank
 
@@ -205,27 +205,14 @@ def _fsdp2_worker(rank, world, use_ciera, cache, micro_batches, steps):
         gathers = ciera.fsdp2.enable(model, optimizer=opt,
                                      config=CieraConfig(codec="exponent_reuse" if cache == "exponents" else "auto",
                                                         selection="always", cache=cache, node_size=2))
-    gen = torch.Generator().manual_seed(100 + rank)
-    losses = []
-    for _ in range(steps):
-        for _ in range(micro_batches):
-            tokens = torch.randint(0, 64, (4, 16), generator=gen)
-            logits = model(tokens[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 64), tokens[:, 1:].reshape(-1))
-            loss.backward()
-            losses.append(loss.detach().float().item())
-        opt.step()
-        opt.zero_grad()
-    h = hashlib.sha256()
-    for name, p in sorted(model.state_dict().items()):
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        h.update(name.encode())
-        h.update(full.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    losses = train_steps(model, opt, steps=steps, micro_batches=micro_batches, vocab=64, batch=4, seq=15,
+                         generator=torch.Generator().manual_seed(100 + rank))
+    digest = full_params_sha256(model)
     info = None
     if gathers is not None:
         units = {n: (g.fresh_gathers, g.stats.gathers) for n, g in gathers.gathers.items()}
         info = (gathers.stats(), units, gathers.cache_bytes)
-    return losses, h.hexdigest(), info
+    return losses, digest, info
 
 
 @pytest.mark.parametrize("cache", ["exponents", "values"])
