@@ -77,13 +77,21 @@ def payload_needed(payloads: torch.Tensor, offset: int) -> int:
     return int(payloads[offset + 8 * _H_NEEDED : offset + 8 * _H_NEEDED + 8].view(torch.int64)[0])
 
 
-def decode_many_loop(decode, *, layout, payloads: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor,
-                     targets_bits: torch.Tensor) -> None:
-    """``decode_many`` as a loop of one-payload ``decode(*, layout, payload, target_bits)`` calls:
-    what every reference does (it reads ``rows``/``offsets`` and the headers on the host)."""
-    for row, off in zip(rows.tolist(), offsets.tolist()):
-        payload = payloads[off : off + payload_needed(payloads, off)]
-        decode(layout=layout, payload=payload, target_bits=targets_bits[row])
+def decode_many_of(decode):
+    """The batched reference decoder of a codec whose one-payload reference is
+    ``decode(*, layout, payload, target_bits)``: ``decode_many_reference(*, layout, payloads, rows,
+    offsets, targets_bits)`` (:meth:`Codec.decode_many`'s signature) decodes the payload of flat
+    ``payloads`` starting at ``offsets[i]`` into row ``rows[i]`` of ``targets_bits``, one ``decode``
+    call each (it reads ``rows``/``offsets`` and the headers on the host)."""
+
+    def decode_many_reference(*, layout, payloads: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor,
+                              targets_bits: torch.Tensor) -> None:
+        for row, off in zip(rows.tolist(), offsets.tolist()):
+            payload = payloads[off : off + payload_needed(payloads, off)]
+            decode(layout=layout, payload=payload, target_bits=targets_bits[row])
+
+    decode_many_reference.__doc__ = f"Pure-torch batched decoder: {decode.__module__}.{decode.__name__} per payload."
+    return decode_many_reference
 
 
 class PayloadHeader:

@@ -72,7 +72,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base import HEADER_BYTES, align_up, decode_many_loop
+from ..base import HEADER_BYTES, align_up, decode_many_of
 from ..formats import from_unsigned, to_unsigned
 from ..patterns import DeltaShapeLayout, PatternStateCodec, bit_length, exponent_of, unzigzag_add, zigzag
 from ..registry import CodecSpec, register_codec
@@ -389,11 +389,8 @@ def decode_reference(*, layout: DeltaAnsLayout, payload: torch.Tensor, target_bi
     target_bits.copy_(from_unsigned(unzigzag_add(layout.fmt, u_old, z), target_bits.dtype))
 
 
-def decode_many_reference(*, layout, payloads: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor,
-                          targets_bits: torch.Tensor) -> None:
-    """Pure-torch batched decoder (see Codec.decode_many): :func:`decode_reference` per payload."""
-    decode_many_loop(decode_reference, layout=layout, payloads=payloads, rows=rows, offsets=offsets,
-                     targets_bits=targets_bits)
+decode_many_reference = decode_many_of(decode_reference)
+"""Pure-torch batched decoder (see Codec.decode_many): :func:`decode_reference` per payload."""
 
 
 @register_codec

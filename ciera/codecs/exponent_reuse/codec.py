@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base import HEADER_BYTES, Codec, align_up, decode_many_loop
+from ..base import HEADER_BYTES, Codec, align_up, decode_many_of
 from ..bitpack import pack_bits, unpack_bits
 from ..formats import FloatFormat, as_bits
 from ..registry import CodecSpec, register_codec
@@ -167,12 +167,8 @@ def decode_reference(*, layout: ExponentReuseLayout, payload: torch.Tensor, targ
             target_bits.copy_(full[:n])
 
 
-def decode_many_reference(*, layout, payloads: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor,
-                          targets_bits: torch.Tensor) -> None:
-    """Pure-torch batched decoder (see Codec.decode_many): :func:`decode_reference` on each payload of
-    flat ``payloads`` starting at ``offsets[i]``, into row ``rows[i]`` of ``targets_bits``."""
-    decode_many_loop(decode_reference, layout=layout, payloads=payloads, rows=rows, offsets=offsets,
-                     targets_bits=targets_bits)
+decode_many_reference = decode_many_of(decode_reference)
+"""Pure-torch batched decoder (see Codec.decode_many): :func:`decode_reference` per payload."""
 
 
 @register_codec

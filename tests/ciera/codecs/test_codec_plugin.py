@@ -30,7 +30,7 @@ TOY = textwrap.dedent(f'''
     import torch
 
     from ciera.codecs import Codec, CodecSpec, FloatFormat, as_bits, register_codec
-    from ciera.codecs.base import HEADER_BYTES, align_up, decode_many_loop
+    from ciera.codecs.base import HEADER_BYTES, align_up, decode_many_of
 
     OFF_INDEX = HEADER_BYTES + 16
 
@@ -61,9 +61,7 @@ TOY = textwrap.dedent(f'''
         target_bits[index] = payload[OFF_INDEX + 8 * k : end].view(layout.fmt.bits_dtype)
 
 
-    def decode_many_reference(*, layout, payloads, rows, offsets, targets_bits):
-        decode_many_loop(decode_reference, layout=layout, payloads=payloads, rows=rows, offsets=offsets,
-                         targets_bits=targets_bits)
+    decode_many_reference = decode_many_of(decode_reference)
 
 
     class ToyCodec(Codec):
