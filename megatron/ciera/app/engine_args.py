@@ -46,8 +46,8 @@ def check_fsdp2_args(args, *, err: Callable[[str], None], ciera_config: Callable
     if args.gradient_accumulation_fusion:
         err("--use-torch-fsdp2 is not supported with gradient accumulation fusion (as in Megatron-LM): "
             "pass --no-gradient-accumulation-fusion")
-    elif args.device == "cpu":  # the fusion off is what runs on CPU: nothing to report as not applied
-        args.cpu_ignored = [o for o in args.cpu_ignored if o != "--no-gradient-accumulation-fusion"]
+    else:
+        _fusion_off_applies_on_cpu(args)
     if args.ckpt_format != "torch_dist":
         err(f"--use-torch-fsdp2 with --ckpt-format {args.ckpt_format}: Megatron-LM takes torch_dist or torch_dcp; "
             "this entry point writes torch_dist")
@@ -65,13 +65,7 @@ def check_fsdp2_args(args, *, err: Callable[[str], None], ciera_config: Callable
     for dest in sorted((ddp_only - set(_DDP_KEPT)) & set(args.explicit)):
         err(f"{option(dest)}: only Megatron's DDP wrapper reads it; --use-torch-fsdp2 reduce-scatters the "
             "gradients through FSDP2 (as in Megatron-LM, which ignores it there)")
-    if args.ciera_allgather:
-        from ciera.zero3 import Zero3Gather
-
-        try:
-            Zero3Gather(config=ciera_config())  # its own checks; no collective
-        except ValueError as exc:
-            err(f"--ciera-* flags with --use-torch-fsdp2: {exc}")
+    _check_ciera_config(args, err=err, ciera_config=ciera_config, engine="--use-torch-fsdp2")
 
 
 def check_megatron_fsdp_args(args, *, err: Callable[[str], None], ciera_config: Callable[[], object]) -> None:
@@ -97,12 +91,25 @@ def check_megatron_fsdp_args(args, *, err: Callable[[str], None], ciera_config: 
     if args.async_save and args.ckpt_format == "fsdp_dtensor":
         err("--async-save with --ckpt-format fsdp_dtensor: not implemented by this entry point (Megatron-LM 0.16 "
             "refuses it too; 0.19 writes it through torch DCP's asynchronous planner); save without --async-save")
-    if args.ciera_allgather:
-        from ciera.zero3 import Zero3Gather
+    _check_ciera_config(args, err=err, ciera_config=ciera_config, engine="--use-megatron-fsdp")
+    _fusion_off_applies_on_cpu(args)  # (upstream warns about the fusion under FSDP)
 
-        try:
-            Zero3Gather(config=ciera_config())  # its own checks; no collective
-        except ValueError as exc:
-            err(f"--ciera-* flags with --use-megatron-fsdp: {exc}")
-    if args.device == "cpu":  # the fusion off is what runs on CPU (upstream warns about it under FSDP)
+
+def _check_ciera_config(args, *, err: Callable[[str], None], ciera_config: Callable[[], object], engine: str) -> None:
+    """With ``--ciera-allgather`` under a ZeRO-3 engine: :class:`ciera.zero3.Zero3Gather`'s own
+    checks of the run's config (no collective), a refusal reported as the flags' error."""
+    if not args.ciera_allgather:
+        return
+    from ciera.zero3 import Zero3Gather
+
+    try:
+        Zero3Gather(config=ciera_config())
+    except ValueError as exc:
+        err(f"--ciera-* flags with {engine}: {exc}")
+
+
+def _fusion_off_applies_on_cpu(args) -> None:
+    """On CPU, gradient-accumulation fusion off is what runs: ``--no-gradient-accumulation-fusion`` is
+    not reported among the flags the CPU run leaves unapplied."""
+    if args.device == "cpu":
         args.cpu_ignored = [o for o in args.cpu_ignored if o != "--no-gradient-accumulation-fusion"]
